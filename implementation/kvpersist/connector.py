@@ -1,0 +1,162 @@
+"""kvpersist's vLLM KV connector: LMCache's MP connector behind a fail-closed identity gate.
+
+Load it with ``--kv-transfer-config`` ``{"kv_connector": "KvPersistConnector",
+"kv_connector_module_path": "kvpersist.connector", ...}`` (``scripts/run-vllm-with-persist.sh``
+writes this).  Extra config keys, besides LMCache's own ``lmcache.mp.*``:
+
+* ``kvpersist.pins``: path of the ``configs/<model>/identity.env`` pins (or env
+  ``KVP_IDENTITY_PINS``).
+* ``kvpersist.chat_template_file``: the ``--chat-template`` file the API server uses, if any
+  (or env ``KVP_CHAT_TEMPLATE_FILE``).
+
+Invariants
+----------
+* The identity is derived from the running engine's ``VllmConfig`` and checked against the
+  pins, in every process that builds a connector (scheduler and each worker), the same way.
+* With a complete, agreeing identity, LMCache sees ``<model id>/<namespace>`` as the model
+  name, so every object key, and every L2 file name, carries the namespace.
+* Otherwise the connector is a :class:`DisabledKvConnector`: it never contacts the LMCache
+  server, reports no external hits, stores nothing, and logs which field turned it off.
+  vLLM keeps serving.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from .identity import IdentityError, IdentityResolution, load_pins, merge_sources
+from .identity_sources import from_vllm_config
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("vllm.kvpersist.connector")  # inherits vLLM's log handler
+
+PINS_KEY = "kvpersist.pins"
+CHAT_TEMPLATE_KEY = "kvpersist.chat_template_file"
+
+
+def _extra(vllm_config: Any, key: str, env: str) -> str | None:
+    ktc = vllm_config.kv_transfer_config
+    value = ktc.get_from_extra_config(key, None) if ktc is not None else None
+    if value in (None, ""):
+        value = os.environ.get(env) or None
+    return None if value is None else str(value)
+
+
+def resolve_engine_identity(vllm_config: Any) -> IdentityResolution:
+    """The identity of the running engine, checked against its pins; never raises."""
+    pins_path = _extra(vllm_config, PINS_KEY, "KVP_IDENTITY_PINS")
+    if pins_path is None:
+        return IdentityResolution(None, [
+            f"no identity pins configured (set {PINS_KEY} in kv_connector_extra_config "
+            "or KVP_IDENTITY_PINS to configs/<model>/identity.env)"
+        ])
+    try:
+        pins = load_pins(pins_path)
+        live = from_vllm_config(
+            vllm_config, chat_template_file=_extra(vllm_config, CHAT_TEMPLATE_KEY,
+                                                   "KVP_CHAT_TEMPLATE_FILE"))
+    except (IdentityError, OSError, ValueError) as exc:
+        return IdentityResolution(None, [str(exc)])
+    return merge_sources(pins, live, live_label="engine")
+
+
+def with_model_name(vllm_config: Any, model_name: str) -> Any:
+    """A shallow copy of ``vllm_config`` whose ``model_config.model`` is ``model_name``.
+
+    LMCache's connector takes its cache model name from ``model_config.model`` and reads
+    nothing else from that attribute; all other config objects are shared, not copied.
+    """
+    cfg = copy.copy(vllm_config)
+    model_config = copy.copy(vllm_config.model_config)
+    object.__setattr__(model_config, "model", model_name)
+    object.__setattr__(cfg, "model_config", model_config)
+    return cfg
+
+
+class _NoMetadata(KVConnectorMetadata):
+    """Metadata of a disabled connector: there is never anything to transfer."""
+
+
+class DisabledKvConnector(KVConnectorBase_V1, SupportsHMA):
+    """A connector that does nothing: no hits, no stores, no server contact."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None,
+                 *, reason: str = "") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.disabled_reason = reason
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return _NoMetadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        return None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+
+class KvPersistConnector(LMCacheMPConnector):  # type: ignore[misc]
+    """LMCache's MP connector with the namespace as model name, or disabled (fail closed)."""
+
+    def __new__(cls, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+                ) -> Any:
+        resolution = resolve_engine_identity(vllm_config)
+        if not resolution.enabled:
+            reason = resolution.summary()
+            logger.error("kvpersist: %s (role %s); vLLM serves without the KV cache tier",
+                         reason, getattr(role, "name", role))
+            return DisabledKvConnector(vllm_config, role, kv_cache_config, reason=reason)
+        instance = super().__new__(cls)
+        instance._kvp_resolution = resolution
+        return instance
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+                 ) -> None:
+        resolution: IdentityResolution = self._kvp_resolution
+        assert resolution.identity is not None
+        self.kvp_identity = resolution.identity
+        model_name = resolution.identity.lmcache_model_name()
+        logger.info("kvpersist: caching ON, namespace %s, LMCache model name %s (role %s)",
+                    resolution.identity.namespace, model_name, getattr(role, "name", role))
+        super().__init__(with_model_name(vllm_config, model_name), role, kv_cache_config)

@@ -1,0 +1,228 @@
+"""Server settings: the generic config file overlaid by the environment, validated up front.
+
+Invariants
+----------
+* Every value is validated before anything starts; a bad value raises :class:`SettingsError`
+  whose message names the variable, the bad value and what is expected.
+* Precedence: explicit overrides > process environment > ``configs/generic/lmcache-server.env``
+  > built-in defaults.  The same precedence serves the launcher, the demo and the tests.
+* Servers bind 127.0.0.1 unless ``KVP_BIND_HOST`` says otherwise; a non-loopback bind is
+  allowed but reported by :func:`bind_warning`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GENERIC_CONFIG_DIR = REPO_ROOT / "configs" / "generic"
+GENERIC_SERVER_ENV = GENERIC_CONFIG_DIR / "lmcache-server.env"
+
+DEFAULTS: dict[str, str] = {
+    "KVP_CACHE_ROOT": "/var/lib/kvpersist/cache",
+    "KVP_L1_SIZE_GB": "64",
+    "KVP_CACHE_BUDGET_GB": "1500",
+    "KVP_BIND_HOST": "127.0.0.1",
+    "KVP_ZMQ_PORT": "5555",
+    "KVP_HTTP_PORT": "8080",
+    "KVP_L2_ADAPTER": "nixl_store_dynamic",
+    "KVP_EVICTION_WATERMARK": "0.9",
+    "KVP_EVICTION_RATIO": "0.1",
+    "KVP_CHUNK_SIZE": "256",
+    "KVP_START_TIMEOUT_S": "120",
+    "KVP_STOP_TIMEOUT_S": "30",
+}
+
+PID_FILE_NAME = "lmcache-server.pid"
+LOG_FILE_NAME = "lmcache-server.log"
+
+#: Environment every LMCache process gets: telemetry off, no hub access.
+LMCACHE_ENV: dict[str, str] = {
+    "LMCACHE_TRACK_USAGE": "false",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "LMCACHE_DISABLE_BANNER": "1",
+}
+#: Environment every vLLM process gets.
+VLLM_ENV: dict[str, str] = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message says which and how to fix it."""
+
+
+def parse_env_file(path: Path) -> dict[str, str]:
+    """``KEY=value`` lines; comments, blanks, ``export`` and matching quotes are allowed."""
+    out: dict[str, str] = {}
+    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        line = line.removeprefix("export ").strip()
+        if "=" not in line:
+            raise SettingsError(f"{path}:{lineno}: expected KEY=value, got {raw!r}")
+        key, value = (part.strip() for part in line.split("=", 1))
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key] = value
+    return out
+
+
+def _positive_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number; set it to e.g. 1500") from None
+    if not math.isfinite(value) or value <= 0:
+        raise SettingsError(f"{name}={raw!r} must be a positive finite number")
+    return value
+
+
+def _fraction(name: str, raw: str) -> float:
+    value = _positive_float(name, raw)
+    if value >= 1:
+        raise SettingsError(f"{name}={raw!r} must be between 0 and 1 (exclusive)")
+    return value
+
+
+def _port(name: str, raw: str) -> int:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise SettingsError(f"{name}={raw!r} must be a TCP port in 1..65535")
+    return value
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+    if value <= 0:
+        raise SettingsError(f"{name}={raw!r} must be positive")
+    return value
+
+
+def _host(name: str, raw: str) -> str:
+    host = raw.strip()
+    if host == "localhost":
+        return host
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} must be an IP address (e.g. 127.0.0.1)") from None
+    return host
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Validated settings of one LMCache MP server with a kvpersist L2 tier."""
+
+    cache_root: Path
+    l1_size_gb: float
+    budget_gb: float
+    bind_host: str
+    zmq_port: int
+    http_port: int
+    l2_adapter: str
+    eviction_watermark: float
+    eviction_ratio: float
+    chunk_size: int
+    start_timeout_s: float
+    stop_timeout_s: float
+
+    @property
+    def pid_file(self) -> Path:
+        return self.cache_root / PID_FILE_NAME
+
+    @property
+    def log_file(self) -> Path:
+        return self.cache_root / LOG_FILE_NAME
+
+    @property
+    def http_url(self) -> str:
+        host = "127.0.0.1" if self.bind_host in ("0.0.0.0", "localhost") else self.bind_host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.http_port}"
+
+    @property
+    def zmq_url(self) -> str:
+        host = "127.0.0.1" if self.bind_host in ("0.0.0.0", "localhost") else self.bind_host
+        return f"tcp://{host}"
+
+
+def load_settings(
+    overrides: Mapping[str, str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    config_file: Path | None = GENERIC_SERVER_ENV,
+) -> ServerSettings:
+    """Resolve and validate settings (see the module docstring for precedence)."""
+    merged: dict[str, str] = dict(DEFAULTS)
+    if config_file is not None and config_file.is_file():
+        merged.update({k: v for k, v in parse_env_file(config_file).items() if k in DEFAULTS})
+    env = os.environ if environ is None else environ
+    merged.update({k: env[k] for k in DEFAULTS if k in env and env[k] != ""})
+    if overrides:
+        unknown = sorted(set(overrides) - set(DEFAULTS))
+        if unknown:
+            raise SettingsError(f"unknown setting(s): {', '.join(unknown)}")
+        merged.update(overrides)
+    from .l2_config import known_adapters  # local import: l2_config imports this module
+
+    adapter = merged["KVP_L2_ADAPTER"].strip()
+    if adapter not in known_adapters():
+        raise SettingsError(
+            f"KVP_L2_ADAPTER={adapter!r} is not known; choose one of {', '.join(known_adapters())}"
+        )
+    root_raw = merged["KVP_CACHE_ROOT"].strip()
+    if not root_raw:
+        raise SettingsError("KVP_CACHE_ROOT is empty; set it to a directory on the NVMe tier")
+    settings = ServerSettings(
+        cache_root=Path(root_raw).expanduser().absolute(),
+        l1_size_gb=_positive_float("KVP_L1_SIZE_GB", merged["KVP_L1_SIZE_GB"]),
+        budget_gb=_positive_float("KVP_CACHE_BUDGET_GB", merged["KVP_CACHE_BUDGET_GB"]),
+        bind_host=_host("KVP_BIND_HOST", merged["KVP_BIND_HOST"]),
+        zmq_port=_port("KVP_ZMQ_PORT", merged["KVP_ZMQ_PORT"]),
+        http_port=_port("KVP_HTTP_PORT", merged["KVP_HTTP_PORT"]),
+        l2_adapter=adapter,
+        eviction_watermark=_fraction("KVP_EVICTION_WATERMARK", merged["KVP_EVICTION_WATERMARK"]),
+        eviction_ratio=_fraction("KVP_EVICTION_RATIO", merged["KVP_EVICTION_RATIO"]),
+        chunk_size=_positive_int("KVP_CHUNK_SIZE", merged["KVP_CHUNK_SIZE"]),
+        start_timeout_s=_positive_float("KVP_START_TIMEOUT_S", merged["KVP_START_TIMEOUT_S"]),
+        stop_timeout_s=_positive_float("KVP_STOP_TIMEOUT_S", merged["KVP_STOP_TIMEOUT_S"]),
+    )
+    if settings.zmq_port == settings.http_port:
+        raise SettingsError(
+            f"KVP_ZMQ_PORT and KVP_HTTP_PORT are both {settings.zmq_port}; they must differ"
+        )
+    return settings
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    return ipaddress.ip_address(host).is_loopback
+
+
+def bind_warning(settings: ServerSettings) -> str | None:
+    """A warning text when the server would listen beyond loopback, else None."""
+    if is_loopback(settings.bind_host):
+        return None
+    return (
+        f"WARNING: the LMCache server will listen on {settings.bind_host} (not loopback): "
+        "its ZMQ and HTTP APIs have no authentication; expose them only on a trusted network"
+    )
