@@ -86,11 +86,11 @@ def with_model_name(vllm_config: Any, model_name: str) -> Any:
     return cfg
 
 
-class _NoMetadata(KVConnectorMetadata):
+class _NoMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """Metadata of a disabled connector: there is never anything to transfer."""
 
 
-class DisabledKvConnector(KVConnectorBase_V1, SupportsHMA):
+class DisabledKvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """A connector that does nothing: no hits, no stores, no server contact."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None,

@@ -200,6 +200,8 @@ def diff_identities(a: Mapping[str, object], b: Mapping[str, object]) -> list[tu
     out: list[tuple[str, object, object]] = []
     for name in FIELD_NAMES:
         va, vb = a.get(name), b.get(name)
+        ca: object
+        cb: object
         try:
             ca = normalize_field(name, va) if va is not None else None
         except IdentityError:

@@ -225,5 +225,5 @@ def test_from_model_folder_reads_geometry_and_template(tmp_path: Path) -> None:
 
 
 def test_from_model_folder_without_config_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(ValueError, match=r"config\.json"):
         from_model_folder(tmp_path)

@@ -1,0 +1,187 @@
+"""The on-disk format of kvpersist L2 files: names and the self-describing 4096-byte header.
+
+File name (flat layout, or under ``ab/cd/`` with sharding)::
+
+    <safe_model_name>_<kv_rank:08x>_<group:x>_<chunk hash hex>[@<salt>].kvp
+
+``safe_model_name`` is LMCache's model name with ``/`` replaced by ``--``.  LMCache forbids ``@``
+in model names and salts; ``_`` separates the fixed-format fields after the model name, so a name
+is parsed from the right and round-trips exactly.
+
+File layout::
+
+    [0, 4096)   header: magic "KVPCACHE", u32 format version, u32 JSON length, JSON, zero padding,
+                and in the last 16 bytes the xxh3-128 digest of bytes [0, 4080)
+    [4096, …)   payload: exactly ``payload_len`` bytes of KV data (page aligned for O_DIRECT/GDS)
+
+Invariants
+----------
+* A header is accepted only if magic, version, its own digest, and every key field match the
+  key that is being read, and the payload length equals the size LMCache expects.  The payload
+  is accepted only if its xxh3-128 digest equals the header's.  Anything else is corruption.
+* ``parse_name(format_name(k)) == k`` for every key LMCache can produce.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+MAGIC = b"KVPCACHE"
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+_DIGEST_SIZE = 16
+_PREFIX = struct.Struct("<8sII")
+SUFFIX = ".kvp"
+TMP_MARK = ".tmp."
+CHECKSUM_ALGORITHM = "xxh3_128"
+
+
+class FormatError(ValueError):
+    """A file or name is not a valid kvpersist L2 object; ``reason`` is a short tag."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class KeyFields:
+    """The fields of LMCache's ``ObjectKey``, independent of LMCache."""
+
+    model_name: str
+    kv_rank: int
+    object_group_id: int
+    chunk_hash: bytes
+    cache_salt: str = ""
+
+    @property
+    def namespace(self) -> str:
+        """The kvpersist namespace (last path component of the model name), or ''."""
+        last = self.model_name.rsplit("/", 1)[-1]
+        return last if last.startswith("kvp-") else ""
+
+
+def format_name(key: KeyFields) -> str:
+    safe_model = key.model_name.replace("/", "--")
+    base = f"{safe_model}_{key.kv_rank:08x}_{key.object_group_id:x}_{key.chunk_hash.hex()}"
+    if key.cache_salt:
+        base += f"@{key.cache_salt}"
+    return base + SUFFIX
+
+
+def parse_name(name: str) -> KeyFields:
+    """Invert :func:`format_name`; raises FormatError for anything else (temp files too)."""
+    if not name.endswith(SUFFIX) or TMP_MARK in name:
+        raise FormatError("not-a-cache-file", name)
+    stem = name[: -len(SUFFIX)]
+    salt = ""
+    if "@" in stem:
+        stem, salt = stem.split("@", 1)
+        if not salt or "@" in salt:
+            raise FormatError("bad-name", name)
+    parts = stem.rsplit("_", 3)
+    if len(parts) != 4 or not parts[0]:
+        raise FormatError("bad-name", name)
+    safe_model, rank_hex, group_hex, hash_hex = parts
+    try:
+        if len(rank_hex) != 8:
+            raise ValueError(rank_hex)
+        return KeyFields(
+            model_name=safe_model.replace("--", "/"),
+            kv_rank=int(rank_hex, 16),
+            object_group_id=int(group_hex, 16),
+            chunk_hash=bytes.fromhex(hash_hex),
+            cache_salt=salt,
+        )
+    except ValueError:
+        raise FormatError("bad-name", name) from None
+
+
+def shard_dirs(chunk_hash: bytes) -> tuple[str, str]:
+    """Two-level shard directories from the chunk hash (``ab``, ``cd``), as in LMCache's GDS backend."""
+    text = chunk_hash.hex().ljust(4, "0")
+    return text[0:2], text[2:4]
+
+
+def payload_digest(data: Any) -> bytes:
+    return bytes(xxhash.xxh3_128_digest(data))
+
+
+def build_header(key: KeyFields, payload_len: int, digest: bytes,
+                 layout: dict[str, Any] | None = None, created: float | None = None) -> bytes:
+    meta = {
+        "model_name": key.model_name,
+        "kv_rank": key.kv_rank,
+        "object_group_id": key.object_group_id,
+        "chunk_hash": key.chunk_hash.hex(),
+        "cache_salt": key.cache_salt,
+        "namespace": key.namespace,
+        "payload_len": payload_len,
+        "layout": layout or {},
+        "checksum_algorithm": CHECKSUM_ALGORITHM,
+        "checksum": digest.hex(),
+        "created": created if created is not None else time.time(),
+    }
+    body = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    room = HEADER_SIZE - _DIGEST_SIZE - _PREFIX.size
+    if len(body) > room:
+        raise FormatError("header-too-large", f"{len(body)} > {room} bytes")
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+    head += b"\0" * (HEADER_SIZE - _DIGEST_SIZE - len(head))
+    return head + xxhash.xxh3_128_digest(head)
+
+
+@dataclass(frozen=True)
+class Header:
+    key: KeyFields
+    payload_len: int
+    checksum: bytes
+    layout: dict[str, Any]
+    created: float
+
+
+def parse_header(raw: bytes) -> Header:
+    """Parse and self-check a header; raises FormatError with a reason tag."""
+    if len(raw) < HEADER_SIZE:
+        raise FormatError("short-header", f"{len(raw)} bytes")
+    magic, version, length = _PREFIX.unpack_from(raw)
+    if magic != MAGIC:
+        raise FormatError("bad-magic")
+    if version != FORMAT_VERSION:
+        raise FormatError("bad-version", str(version))
+    body_end = HEADER_SIZE - _DIGEST_SIZE
+    if xxhash.xxh3_128_digest(raw[:body_end]) != raw[body_end:HEADER_SIZE]:
+        raise FormatError("header-checksum")
+    if not 0 < length <= body_end - _PREFIX.size:
+        raise FormatError("bad-header-length", str(length))
+    try:
+        meta = json.loads(raw[_PREFIX.size:_PREFIX.size + length])
+        key = KeyFields(
+            model_name=str(meta["model_name"]),
+            kv_rank=int(meta["kv_rank"]),
+            object_group_id=int(meta["object_group_id"]),
+            chunk_hash=bytes.fromhex(meta["chunk_hash"]),
+            cache_salt=str(meta["cache_salt"]),
+        )
+        if meta["checksum_algorithm"] != CHECKSUM_ALGORITHM:
+            raise FormatError("bad-checksum-algorithm", str(meta["checksum_algorithm"]))
+        return Header(key, int(meta["payload_len"]), bytes.fromhex(meta["checksum"]),
+                      dict(meta.get("layout") or {}), float(meta["created"]))
+    except (KeyError, ValueError, TypeError) as exc:
+        if isinstance(exc, FormatError):
+            raise
+        raise FormatError("bad-header-json", str(exc)) from None
+
+
+def check_header(header: Header, key: KeyFields, expected_len: int) -> None:
+    """Raise FormatError unless ``header`` describes exactly ``key`` with ``expected_len`` bytes."""
+    if header.key != key:
+        raise FormatError("key-mismatch", f"file holds {format_name(header.key)}")
+    if header.payload_len != expected_len:
+        raise FormatError("length-mismatch", f"{header.payload_len} != {expected_len}")

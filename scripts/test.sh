@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The whole test suite: lint, types, unit, integration and end-to-end tests with real processes.
+# Extra arguments go to pytest (e.g. `-m "not e2e"` for the quick part, `-k identity`).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+bash scripts/bootstrap.sh
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+py="$here/.venv/bin/python"
+echo "== ruff"; "$py" -m ruff check implementation tests
+echo "== mypy"; "$py" -m mypy
+echo "== pytest"; exec "$py" -m pytest tests "$@"

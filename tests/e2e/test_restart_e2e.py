@@ -1,0 +1,116 @@
+"""The mission, end to end with real processes: LMCache MP server + vLLM (CPU) + tiny model.
+
+A long chat stores chunks in L2 under the namespace; after restarting *both* processes the same
+chat gets its prefix from L2 with identical output and logprobs; a changed identity field gives a
+new namespace with no hits and leaves the old files untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import TINY_PINS, l2_files, wait_for_l2_files, write_pins
+
+from kvpersist.identity import load_pins, merge_sources, sanitize_model_name
+from kvpersist.identity_sources import build_identity, from_model_folder
+from kvpersist.server import http_get, start_server, stop_server
+from kvpersist.settings import ServerSettings, load_settings
+from kvpersist.stack import VllmProcess, chat, free_port, long_conversation, metric_sum
+
+pytestmark = pytest.mark.e2e
+REQUEST_TIMEOUT = 120.0
+
+
+@pytest.fixture
+def server_env(tmp_path: Path) -> dict[str, str]:
+    return {
+        "KVP_CACHE_ROOT": str(tmp_path / "cache"),
+        "KVP_ZMQ_PORT": str(free_port()),
+        "KVP_HTTP_PORT": str(free_port()),
+        "KVP_L1_SIZE_GB": "1",
+        "KVP_CACHE_BUDGET_GB": "2",
+    }
+
+
+@pytest.fixture
+def settings(server_env: dict[str, str]) -> Iterator[ServerSettings]:
+    s = load_settings(server_env)
+    yield s
+    stop_server(s)
+
+
+def expected_namespace(model_dir: Path, pins_path: Path, **live: object) -> str:
+    fields: dict[str, object] = dict(from_model_folder(model_dir))
+    fields.update(live)
+    fields["connector"] = "LMCacheMPConnector"
+    fields["build"] = build_identity()
+    res = merge_sources(load_pins(pins_path), fields)
+    assert res.enabled, res.problems
+    assert res.identity is not None
+    return res.identity.namespace
+
+
+def lmcache_metric(settings: ServerSettings, name: str) -> float:
+    _, body = http_get(settings.http_url + "/metrics", timeout=10)
+    return metric_sum(body.decode(), name)
+
+
+def test_prefix_survives_restart_of_both_and_identity_change_isolates(
+    tiny_model: Path, tmp_path: Path, server_env: dict[str, str], settings: ServerSettings
+) -> None:
+    root = settings.cache_root
+    messages = long_conversation(900)
+    vllm = VllmProcess(tiny_model, TINY_PINS, tmp_path / "vllm.log", server_env)
+    namespace = expected_namespace(tiny_model, TINY_PINS, block_size=128, tensor_parallel_size=1,
+                                   pipeline_parallel_size=1)
+    prefix = f"{sanitize_model_name('kvpersist/tiny-llama')}--{namespace}_"
+    try:
+        # Round 1: cold. The prompt is computed and its full chunks are stored in L2.
+        start_server(settings)
+        vllm.start()
+        first = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
+        assert first.prompt_tokens >= 700
+        stored = wait_for_l2_files(root, min_count=first.prompt_tokens // 256)
+        assert stored, "no L2 files after the first request"
+        assert all(name.startswith(prefix) for name in stored), (prefix, list(stored))
+        assert metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total") == 0
+        vllm.stop()
+        stop_server(settings)
+
+        # Round 2: restart BOTH processes; the prefix comes back from L2.
+        start_server(settings)
+        vllm.start()
+        second = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
+        hits = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
+        l2_hits = lmcache_metric(settings, "lmcache_mp_lookup_hit_l2_tokens_total")
+        assert hits >= 256 * len(stored) - 256, (hits, len(stored))
+        assert l2_hits > 0
+        assert second.tokens == first.tokens
+        assert second.logprobs == first.logprobs
+        assert second.text == first.text
+        vllm.stop()
+        before_change = l2_files(root)
+
+        # Round 3: one identity field changes (max model length, pinned and live together):
+        # a new namespace, no external hits, and the old files untouched.
+        changed_pins = write_pins(tmp_path / "changed.env", max_model_len="1024")
+        new_namespace = expected_namespace(tiny_model, changed_pins, block_size=128,
+                                           tensor_parallel_size=1, pipeline_parallel_size=1,
+                                           max_model_len=1024)
+        assert new_namespace != namespace
+        vllm_changed = VllmProcess(tiny_model, changed_pins, tmp_path / "vllm-changed.log",
+                                   server_env, extra_args=["--max-model-len", "1024"])
+        vllm = vllm_changed
+        vllm.start()
+        third = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
+        assert metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total") == 0
+        assert third.tokens == first.tokens  # same model, same answer, computed afresh
+        after = wait_for_l2_files(root, min_count=len(before_change) + 1)
+        for name, digest in before_change.items():
+            assert after.get(name) == digest, f"old file {name} changed or vanished"
+        new_files = set(after) - set(before_change)
+        assert new_files and all(new_namespace in n for n in new_files), new_files
+    finally:
+        vllm.kill()
