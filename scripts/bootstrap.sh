@@ -7,7 +7,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVP_VENV:-$here/.venv}"
 lock="$here/requirements/cpu-lock.txt"
 stamp="$venv/.kvp-lock-digest"
-want="$(cat "$lock" "$here/pyproject.toml" | sha256sum | cut -c1-64)"
+# What the environment depends on: the lock, this script, and pyproject's [project] table.
+want="$( { cat "$lock" "$0"; sed -n '/^\[project\]/,/^\[tool/p' "$here/pyproject.toml"; } | sha256sum | cut -c1-64)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
   exit 0
 fi

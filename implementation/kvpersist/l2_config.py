@@ -40,6 +40,7 @@ def _substitutions(settings: ServerSettings) -> dict[str, str]:
         "KVP_CACHE_BUDGET_GB": _numeric_text(settings.budget_gb),
         "KVP_EVICTION_WATERMARK": _numeric_text(settings.eviction_watermark),
         "KVP_EVICTION_RATIO": _numeric_text(settings.eviction_ratio),
+        "KVP_L2_SHARDED": "true" if settings.l2_sharded else "false",
     }
 
 

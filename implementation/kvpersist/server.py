@@ -41,7 +41,7 @@ from .pidfile import (
     remove_pid_file,
     write_pid_file,
 )
-from .settings import LMCACHE_ENV, ServerSettings, bind_warning
+from .settings import LMCACHE_ENV, REPO_ROOT, ServerSettings, bind_warning
 
 HTTP_TIMEOUT_S = 3.0
 
@@ -90,6 +90,11 @@ def server_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The server's environment: ``base`` (default: ours) with telemetry forced off."""
     env = dict(os.environ if base is None else base)
     env.update(LMCACHE_ENV)
+    # The kvpersist L2 adapter is imported by the server as a plugin module.
+    source = str(REPO_ROOT / "implementation")
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if source not in parts:
+        env["PYTHONPATH"] = os.pathsep.join([source, *parts])
     return env
 
 

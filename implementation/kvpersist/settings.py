@@ -30,7 +30,8 @@ DEFAULTS: dict[str, str] = {
     "KVP_BIND_HOST": "127.0.0.1",
     "KVP_ZMQ_PORT": "5555",
     "KVP_HTTP_PORT": "8080",
-    "KVP_L2_ADAPTER": "nixl_store_dynamic",
+    "KVP_L2_ADAPTER": "kvpersist",
+    "KVP_L2_SHARDED": "false",
     "KVP_EVICTION_WATERMARK": "0.9",
     "KVP_EVICTION_RATIO": "0.1",
     "KVP_CHUNK_SIZE": "256",
@@ -115,6 +116,15 @@ def _positive_int(name: str, raw: str) -> int:
     return value
 
 
+def _boolean(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}={raw!r} must be true or false")
+
+
 def _host(name: str, raw: str) -> str:
     host = raw.strip()
     if host == "localhost":
@@ -137,6 +147,7 @@ class ServerSettings:
     zmq_port: int
     http_port: int
     l2_adapter: str
+    l2_sharded: bool
     eviction_watermark: float
     eviction_ratio: float
     chunk_size: int
@@ -199,6 +210,7 @@ def load_settings(
         zmq_port=_port("KVP_ZMQ_PORT", merged["KVP_ZMQ_PORT"]),
         http_port=_port("KVP_HTTP_PORT", merged["KVP_HTTP_PORT"]),
         l2_adapter=adapter,
+        l2_sharded=_boolean("KVP_L2_SHARDED", merged["KVP_L2_SHARDED"]),
         eviction_watermark=_fraction("KVP_EVICTION_WATERMARK", merged["KVP_EVICTION_WATERMARK"]),
         eviction_ratio=_fraction("KVP_EVICTION_RATIO", merged["KVP_EVICTION_RATIO"]),
         chunk_size=_positive_int("KVP_CHUNK_SIZE", merged["KVP_CHUNK_SIZE"]),

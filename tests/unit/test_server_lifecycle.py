@@ -76,7 +76,7 @@ def test_non_loopback_bind_warns(tmp_path: Path) -> None:
 
 def test_command_line_from_settings(tmp_path: Path) -> None:
     s = settings_for(tmp_path, KVP_CACHE_BUDGET_GB="2.5", KVP_L1_SIZE_GB="1",
-                     KVP_ZMQ_PORT="6001", KVP_HTTP_PORT="6002")
+                     KVP_ZMQ_PORT="6001", KVP_HTTP_PORT="6002", KVP_L2_ADAPTER="nixl_store_dynamic")
     cmd = server_command(s, executable="lmcache")
     assert cmd[:2] == ["lmcache", "server"]
     flags = dict(zip(cmd[2::2], cmd[3::2], strict=True))
@@ -93,10 +93,25 @@ def test_command_line_from_settings(tmp_path: Path) -> None:
         "eviction_policy": "LRU", "trigger_watermark": 0.9, "eviction_ratio": 0.1}
 
 
+def test_default_adapter_is_kvpersist_plugin(tmp_path: Path) -> None:
+    s = settings_for(tmp_path, KVP_CACHE_BUDGET_GB="3", KVP_L2_SHARDED="yes")
+    adapter = l2_adapter_config(s)
+    assert adapter["type"] == "plugin"
+    assert (adapter["module_path"], adapter["class_name"]) == (
+        "kvpersist.l2_adapter", "KvPersistL2Adapter")
+    assert adapter["adapter_params"] == {
+        "path": str(tmp_path / "root"), "max_capacity_gb": "3", "sharded": "true"}
+    assert adapter["persist_enabled"] is True
+    assert adapter["eviction"]["trigger_watermark"] == 0.9
+    with pytest.raises(SettingsError, match="KVP_L2_SHARDED"):
+        settings_for(tmp_path, KVP_L2_SHARDED="maybe")
+
+
 def test_environment_forces_telemetry_off() -> None:
     env = server_environment({"LMCACHE_TRACK_USAGE": "true", "PATH": "/bin"})
     assert env["LMCACHE_TRACK_USAGE"] == "false" and env["DO_NOT_TRACK"] == "1"
     assert env["PATH"] == "/bin"
+    assert env["PYTHONPATH"].split(":")[0].endswith("implementation")
 
 
 def test_root_is_created_0700(tmp_path: Path) -> None:

@@ -1,0 +1,80 @@
+"""LMCache's own benchmark client (``lmcache bench server``), driven from Python.
+
+It is a real client of the MP server that is not ours: it registers mock KV caches, STOREs and
+RETRIEVEs chunks over ZMQ (engine_driven on CPU) and checksums the bytes.  Its KV data is seeded
+(``torch.random.manual_seed(42)``), so a new client after a server restart has the same bytes to
+compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SHAPE_SPEC = "(2,64,16,2,64):float16:2"  # 256-token chunk = 256 KiB of KV
+
+
+@dataclass
+class RoundTrip:
+    hit_chunks: int
+    total_chunks: int
+    retrieved_ok: bool
+    checksums_match: bool
+
+
+class BenchDriver:
+    """One connected ``ServerBenchClient`` using ``model_name`` for its keys."""
+
+    def __init__(self, zmq_url: str, http_url: str, model_name: str, *, num_tokens: int = 1024,
+                 shape_spec: str = SHAPE_SPEC) -> None:
+        from lmcache.cli.commands.bench.server_bench import helpers
+        from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
+        from lmcache.cli.commands.bench.server_bench.config import BenchConfig
+
+        helpers._MODEL_NAME = model_name  # the client module reads it at call time
+        self._helpers = helpers
+        self.model_name = model_name
+        config = BenchConfig(rpc_url=zmq_url, http_url=http_url, mode="cpu",
+                             transfer_mode="engine_driven", tp_size=1, use_mla=False,
+                             num_tokens=num_tokens, kvcache_shape_spec=shape_spec,
+                             num_blocks=64, block_size=16)
+        self.client = ServerBenchClient(config, log=lambda msg: None)
+        self.client.start()
+
+    def _request(self, seq: int, kind: str) -> Any:
+        self._helpers._MODEL_NAME = self.model_name
+        request = self.client.create_request(seq, request_id=f"kvp-{seq}-{kind}", request_kind=kind)
+        assert request is not None
+        return request
+
+    def checksums(self, seq: int) -> list[str]:
+        """Checksums of the client's own data for sequence ``seq`` (what a store would send)."""
+        request = self._request(seq, "sum")
+        sums = self.client.compute_checksums(request, 0, request.num_full_tokens)
+        assert sums is not None
+        return list(sums)
+
+    def store(self, seq: int) -> bool:
+        request = self._request(seq, "store")
+        result = self.client.store(request, 0, request.num_full_tokens)
+        self.client.end_session(request)
+        return bool(result is not None and result.succeeded)
+
+    def lookup_and_retrieve(self, seq: int, expected: list[str]) -> RoundTrip:
+        """LOOKUP, then RETRIEVE the hit prefix into zeroed buffers and compare checksums."""
+        request = self._request(seq, "load")
+        lookup = self.client.lookup(request)
+        hit_tokens = lookup.hit_chunks * request.chunk_size
+        ok = True
+        match = True
+        if hit_tokens:
+            self.client.zero_destination(request, 0, hit_tokens)
+            result = self.client.retrieve(request, 0, hit_tokens)
+            ok = bool(result is not None and result.succeeded)
+            got = self.client.compute_checksums(request, 0, hit_tokens) or []
+            match = list(got) == expected[: lookup.hit_chunks]
+        self.client.end_session(request)
+        return RoundTrip(lookup.hit_chunks, lookup.total_chunks, ok, match)
+
+    def close(self) -> None:
+        self.client.close()
