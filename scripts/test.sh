@@ -7,6 +7,6 @@ cd "$here"
 bash scripts/bootstrap.sh
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 py="$here/.venv/bin/python"
-echo "== ruff"; "$py" -m ruff check implementation tests
+echo "== ruff"; "$py" -m ruff check implementation tests benchmarks
 echo "== mypy"; "$py" -m mypy
 echo "== pytest"; exec "$py" -m pytest tests "$@"

@@ -347,19 +347,7 @@ class KvFileStore:
             self.stats.load_misses += 1
             return False
         try:
-            header = parse_header(os.pread(fd, HEADER_SIZE, 0))
-            check_header(header, key, out.nbytes)
-            file_size = os.fstat(fd).st_size
-            if file_size != HEADER_SIZE + out.nbytes:
-                raise FormatError("size-mismatch", f"{file_size} bytes on disk")
-            got = _read_all(fd, out, HEADER_SIZE)
-            if got != out.nbytes:
-                raise FormatError("truncated", f"{got} of {out.nbytes} bytes")
-            verify_began = time.perf_counter()
-            ok = payload_digest(out) == header.checksum
-            self.stats.verify_seconds += time.perf_counter() - verify_began
-            if not ok:
-                raise FormatError("payload-checksum")
+            self.stats.verify_seconds += read_verified(fd, key, out)
         except FormatError as exc:
             os.close(fd)
             self._quarantine(path, key, exc.reason, str(exc))
@@ -385,11 +373,9 @@ class KvFileStore:
             count = sum(1 for _ in os.scandir(qdir))
         except OSError:
             count = self.quarantine_max_files
-        target = qdir / f"{path.name}.{reason}.{time.time_ns()}"
         try:
             if count < self.quarantine_max_files:
-                os.rename(path, target)
-                action = f"moved to {target}"
+                action = f"moved to {quarantine_file(self.root, path, reason)}"
             else:
                 os.unlink(path)
                 action = "removed (quarantine full)"
@@ -472,6 +458,63 @@ class KvFileStore:
             "temp_removed": stats.temp_removed,
             "unparsable_names": stats.unparsable_names,
         }
+
+
+def read_verified(fd: int, key: KeyFields, out: memoryview) -> float:
+    """Fill ``out`` from the open file ``fd`` if, and only if, it is exactly ``key``'s object.
+
+    Checks header (magic, version, digest), key, payload length, file size and payload digest;
+    raises FormatError with a reason tag otherwise.  Returns the seconds spent on the payload
+    digest.  On failure ``out`` may hold garbage: callers must treat it as unfilled.
+    """
+    header = parse_header(os.pread(fd, HEADER_SIZE, 0))
+    check_header(header, key, out.nbytes)
+    file_size = os.fstat(fd).st_size
+    if file_size != HEADER_SIZE + out.nbytes:
+        raise FormatError("size-mismatch", f"{file_size} bytes on disk")
+    got = _read_all(fd, out, HEADER_SIZE)
+    if got != out.nbytes:
+        raise FormatError("truncated", f"{got} of {out.nbytes} bytes")
+    began = time.perf_counter()
+    ok = payload_digest(out) == header.checksum
+    spent = time.perf_counter() - began
+    if not ok:
+        raise FormatError("payload-checksum")
+    return spent
+
+
+def verify_file(path: Path) -> tuple[str | None, int]:
+    """Scrub one ``.kvp`` file against its own name; (failure reason or None, bytes read)."""
+    try:
+        key = parse_name(path.name)
+    except FormatError as exc:
+        return exc.reason, 0
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})", 0
+    try:
+        try:
+            header = parse_header(os.pread(fd, HEADER_SIZE, 0))
+        except FormatError as exc:
+            return exc.reason, 0
+        buf = bytearray(max(0, min(header.payload_len, os.fstat(fd).st_size)))
+        try:
+            read_verified(fd, key, memoryview(buf))
+        except FormatError as exc:
+            return exc.reason, len(buf)
+        return None, HEADER_SIZE + len(buf)
+    finally:
+        os.close(fd)
+
+
+def quarantine_file(root: Path, path: Path, reason: str) -> Path:
+    """Move ``path`` into ``root/quarantine`` with the reason in its name; returns the target."""
+    qdir = root / QUARANTINE_DIR
+    qdir.mkdir(mode=0o700, exist_ok=True)
+    target = qdir / f"{path.name}.{reason}.{time.time_ns()}"
+    os.rename(path, target)
+    return target
 
 
 def _take_root_lock(path: Path) -> int:

@@ -11,13 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import TINY_PINS, l2_files, wait_for_l2_files, write_pins
 
 from kvpersist.identity import load_pins, merge_sources, sanitize_model_name
 from kvpersist.identity_sources import build_identity, from_model_folder
 from kvpersist.server import http_get, start_server, stop_server
 from kvpersist.settings import ServerSettings, load_settings
 from kvpersist.stack import VllmProcess, chat, free_port, long_conversation, metric_sum
+
+from helpers import TINY_PINS, l2_files, wait_for_l2_files, write_pins
 
 pytestmark = pytest.mark.e2e
 REQUEST_TIMEOUT = 120.0

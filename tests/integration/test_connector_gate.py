@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from helpers import TINY_PINS, write_pins
 
 pytestmark = pytest.mark.integration
@@ -14,8 +15,8 @@ pytestmark = pytest.mark.integration
 def engine_config(model: Path, pins: Path, **overrides: Any) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
-    from kvpersist.vllm_launch import kv_transfer_config
     from kvpersist.settings import load_settings
+    from kvpersist.vllm_launch import kv_transfer_config
 
     settings = load_settings({"KVP_CACHE_ROOT": "/nonexistent-not-used"})
     args = dict(model=str(model), dtype="float32", max_model_len=2048,

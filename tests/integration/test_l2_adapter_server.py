@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import l2_files, wait_for_l2_files
-from lmcache_client import BenchDriver
 
 from kvpersist.l2_format import HEADER_SIZE, format_name, parse_name
 from kvpersist.l2_store import QUARANTINE_DIR
@@ -29,6 +27,9 @@ from kvpersist.server import (
 )
 from kvpersist.settings import ServerSettings, load_settings
 from kvpersist.stack import free_port
+
+from helpers import l2_files, wait_for_l2_files
+from lmcache_client import BenchDriver
 
 pytestmark = pytest.mark.integration
 MODEL_A = "org/model/kvp-" + "a" * 32

@@ -50,8 +50,9 @@ def test_name_round_trip(salt: str) -> None:
     assert parse_name(name) == k
 
 
-@pytest.mark.parametrize("name", ["x.kvp", "a_b_c.kvp", "m_0100010_0_ab.kvp", "m_01000100_0_zz.kvp",
-                                  "m_01000100_0_ab.bin", "m_01000100_0_ab.kvp.tmp.123", "m_01000100_0_ab@.kvp"])
+@pytest.mark.parametrize("name", [
+    "x.kvp", "a_b_c.kvp", "m_0100010_0_ab.kvp", "m_01000100_0_zz.kvp", "m_01000100_0_ab.bin",
+    "m_01000100_0_ab.kvp.tmp.123", "m_01000100_0_ab@.kvp"])
 def test_bad_names_are_refused(name: str) -> None:
     with pytest.raises(FormatError):
         parse_name(name)

@@ -1,0 +1,127 @@
+"""The corruption matrix through real vLLM: whatever happens to an L2 file, the output equals the
+clean run's, token for token and logprob for logprob; the damaged file is quarantined and the next
+request repairs it.
+
+vLLM runs with its own prefix cache off, so every request asks the connector for the prefix, and
+LMCache's L1 is cleared before each request, so the prefix comes from (or fails in) L2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist.l2_format import HEADER_SIZE
+from kvpersist.server import http_get, start_server, stop_server
+from kvpersist.settings import ServerSettings, load_settings
+from kvpersist.stack import ChatResult, VllmProcess, chat, free_port, long_conversation, metric_sum
+
+from helpers import TINY_PINS
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def server_env(tmp_path: Path) -> dict[str, str]:
+    return {"KVP_CACHE_ROOT": str(tmp_path / "cache"), "KVP_ZMQ_PORT": str(free_port()),
+            "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1", "KVP_CACHE_BUDGET_GB": "2"}
+
+
+@pytest.fixture
+def settings(server_env: dict[str, str]) -> Iterator[ServerSettings]:
+    s = load_settings(server_env)
+    yield s
+    stop_server(s)
+
+
+def adapter_status(s: ServerSettings) -> dict[str, Any]:
+    _, body = http_get(s.http_url + "/status", timeout=10)
+    return dict(json.loads(body)["storage_manager"]["l2_adapters"][0])
+
+
+def clear_l1(s: ServerSettings) -> None:
+    req = urllib.request.Request(s.http_url + "/cache/clear", method="POST",
+                                 data=json.dumps({"tier": "l1", "force": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
+
+
+def wait_files(root: Path, count: int, timeout: float = 60.0) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while True:
+        files = sorted(root.glob("*.kvp"))
+        if len(files) >= count:
+            return files
+        assert time.monotonic() < deadline, f"only {len(files)} of {count} L2 files"
+        time.sleep(0.5)
+
+
+def corrupt(files: list[Path], how: str) -> None:
+    originals = {f: f.read_bytes() for f in files}
+    for i, f in enumerate(files):
+        raw = bytearray(originals[f])
+        if how == "noise":  # same size, plausible float bytes: the dangerous case
+            raw[HEADER_SIZE:] = originals[files[(i + 1) % len(files)]][HEADER_SIZE:]
+        elif how == "random":
+            raw[HEADER_SIZE:] = os.urandom(len(raw) - HEADER_SIZE)
+        elif how == "half":
+            raw = raw[: len(raw) // 2]
+        elif how == "zero":
+            raw = bytearray()
+        elif how == "header":
+            raw[64:72] = b"\xff" * 8
+        elif how == "other-key":
+            raw = bytearray(originals[files[(i + 1) % len(files)]])
+        f.write_bytes(bytes(raw))
+
+
+def same(a: ChatResult, b: ChatResult) -> bool:
+    return a.tokens == b.tokens and a.logprobs == b.logprobs and a.text == b.text
+
+
+def test_corruption_matrix_through_vllm(tiny_model: Path, tmp_path: Path,
+                                        server_env: dict[str, str],
+                                        settings: ServerSettings) -> None:
+    root = settings.cache_root
+    messages = long_conversation(900)
+    vllm = VllmProcess(tiny_model, TINY_PINS, tmp_path / "vllm.log", server_env,
+                       extra_args=["--no-enable-prefix-caching"])
+    try:
+        start_server(settings)
+        vllm.start()
+        clean = chat(vllm.base_url, messages)
+        n_chunks = clean.prompt_tokens // 256
+        wait_files(root, n_chunks)
+        clear_l1(settings)
+        warm = chat(vllm.base_url, messages)
+        hits = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
+        assert hits == 256 * n_chunks and same(warm, clean)
+        for how in ("noise", "random", "half", "zero", "header", "other-key"):
+            files = wait_files(root, n_chunks)
+            failures_before = adapter_status(settings)["verify_failures"]
+            clear_l1(settings)
+            corrupt(files, how)
+            damaged = chat(vllm.base_url, messages)
+            assert same(damaged, clean), f"{how}: output differs from the clean run"
+            status = adapter_status(settings)
+            assert status["verify_failures"] > failures_before, how
+            hits_before = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
+            # the recompute stored good files again (repair): the next request hits L2 fully
+            wait_files(root, n_chunks)
+            time.sleep(1.0)
+            clear_l1(settings)
+            repaired = chat(vllm.base_url, messages)
+            hits_after = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
+            assert same(repaired, clean), f"{how}: output after repair differs"
+            assert hits_after - hits_before == 256 * n_chunks, f"{how}: not repaired"
+        assert adapter_status(settings)["quarantined"] >= 6
+    finally:
+        vllm.kill()
