@@ -8,6 +8,8 @@ writes this).  Extra config keys, besides LMCache's own ``lmcache.mp.*``:
   ``KVP_IDENTITY_PINS``).
 * ``kvpersist.chat_template_file``: the ``--chat-template`` file the API server uses, if any
   (or env ``KVP_CHAT_TEMPLATE_FILE``).
+* ``kvpersist.http_url``: the LMCache server's HTTP address, probed at start (2 s timeout).
+* ``kvpersist.lookup_timeout_s``: the longest a request waits for the cache lookup (default 5).
 
 Invariants
 ----------
@@ -18,6 +20,16 @@ Invariants
 * Otherwise the connector is a :class:`DisabledKvConnector`: it never contacts the LMCache
   server, reports no external hits, stores nothing, and logs which field turned it off.
   vLLM keeps serving.
+* **A dead cache service never stalls serving.**  A request waits at most
+  ``kvpersist.lookup_timeout_s`` for its lookup; then it bypasses the cache and is recomputed
+  (LMCache's own path waits for ``lmcache.mp.mq_timeout``, 300 s by default, and vLLM's
+  scheduler keeps later requests queued behind it).  LMCache's heartbeat marks the server
+  unhealthy and, once it answers again, re-registers the KV caches, so caching resumes without
+  restarting vLLM.
+* vLLM started while the server is down serves without the cache (disabled connector).  Roles
+  stay consistent: a worker that found the server down leaves a marker for its engine, and the
+  scheduler, created after the workers, then disables itself too, so it can never promise hits
+  that no worker would load.
 """
 
 from __future__ import annotations
@@ -25,9 +37,15 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
+from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -45,6 +63,9 @@ logger = logging.getLogger("vllm.kvpersist.connector")  # inherits vLLM's log ha
 
 PINS_KEY = "kvpersist.pins"
 CHAT_TEMPLATE_KEY = "kvpersist.chat_template_file"
+HTTP_URL_KEY = "kvpersist.http_url"
+LOOKUP_TIMEOUT_KEY = "kvpersist.lookup_timeout_s"
+DEFAULT_LOOKUP_TIMEOUT_S = 5.0
 
 
 def _extra(vllm_config: Any, key: str, env: str) -> str | None:
@@ -71,6 +92,23 @@ def resolve_engine_identity(vllm_config: Any) -> IdentityResolution:
     except (IdentityError, OSError, ValueError) as exc:
         return IdentityResolution(None, [str(exc)])
     return merge_sources(pins, live, live_label="engine")
+
+
+def server_answers(vllm_config: Any, timeout: float = 2.0) -> bool:
+    """True if the LMCache server's ``/healthcheck`` answers 200 (True when no URL is known)."""
+    url = _extra(vllm_config, HTTP_URL_KEY, "KVP_SERVER_HTTP_URL")
+    if url is None:
+        return True
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/healthcheck", timeout=timeout) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _down_marker(vllm_config: Any) -> Path:
+    engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or "default"
+    return Path(tempfile.gettempdir()) / f"kvpersist-server-down-{engine_id}"
 
 
 def with_model_name(vllm_config: Any, model_name: str) -> Any:
@@ -147,6 +185,22 @@ class KvPersistConnector(LMCacheMPConnector):  # type: ignore[misc]
             logger.error("kvpersist: %s (role %s); vLLM serves without the KV cache tier",
                          reason, getattr(role, "name", role))
             return DisabledKvConnector(vllm_config, role, kv_cache_config, reason=reason)
+        role_name = getattr(role, "name", str(role))
+        marker = _down_marker(vllm_config)
+        if role_name == "SCHEDULER" and marker.exists():
+            marker.unlink(missing_ok=True)
+            reason = "a worker found the LMCache server down at start"
+            logger.error("kvpersist: %s; vLLM serves without the KV cache tier", reason)
+            return DisabledKvConnector(vllm_config, role, kv_cache_config, reason=reason)
+        if not server_answers(vllm_config):
+            reason = "the LMCache server does not answer at start"
+            if role_name == "WORKER":
+                marker.touch()
+            logger.error("kvpersist: %s (role %s); vLLM serves without the KV cache tier",
+                         reason, role_name)
+            return DisabledKvConnector(vllm_config, role, kv_cache_config, reason=reason)
+        if role_name == "WORKER":
+            marker.unlink(missing_ok=True)
         instance = super().__new__(cls)
         instance._kvp_resolution = resolution
         return instance
@@ -160,3 +214,49 @@ class KvPersistConnector(LMCacheMPConnector):  # type: ignore[misc]
         logger.info("kvpersist: caching ON, namespace %s, LMCache model name %s (role %s)",
                     resolution.identity.namespace, model_name, getattr(role, "name", role))
         super().__init__(with_model_name(vllm_config, model_name), role, kv_cache_config)
+        raw = _extra(vllm_config, LOOKUP_TIMEOUT_KEY, "KVP_LOOKUP_TIMEOUT_S")
+        self._kvp_lookup_timeout_s = float(raw) if raw is not None else DEFAULT_LOOKUP_TIMEOUT_S
+        self._kvp_lookup_began: dict[str, float] = {}
+        self.kvp_bypassed_requests = 0
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """LMCache's lookup, bounded by ``kvpersist.lookup_timeout_s``: past it, or while the
+        heartbeat says the server is down, the request bypasses the cache (a recompute)."""
+        rid = request.request_id
+        began = self._kvp_lookup_began.setdefault(rid, time.monotonic())
+        waited = time.monotonic() - began
+        if waited > self._kvp_lookup_timeout_s or not self.scheduler_adapter.is_healthy:
+            self._kvp_bypass(request, waited)
+            return 0, False
+        result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
+            request, num_computed_tokens)
+        if result[0] is not None:
+            self._kvp_lookup_began.pop(rid, None)
+        return result
+
+    def _kvp_bypass(self, request: Any, waited: float) -> None:
+        rid = request.request_id
+        self._kvp_lookup_began.pop(rid, None)
+        tracker = self._get_or_create_request_tracker(request)
+        if tracker.state == LMCacheMPRequestState.BYPASS_LMCACHE:
+            return
+        self.scheduler_adapter.cleanup_lookup_result(rid)
+        tracker.num_lmcache_hit_tokens = 0
+        tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+        self.kvp_bypassed_requests += 1
+        logger.warning("kvpersist: request %s bypasses the KV cache after %.1fs (server %s); "
+                       "it is recomputed", rid, waited,
+                       "unhealthy" if not self.scheduler_adapter.is_healthy else "slow")
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._kvp_lookup_began.pop(request.request_id, None)
+        result: tuple[bool, dict[str, Any] | None] = super().request_finished(request, block_ids)
+        return result
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        self._kvp_lookup_began.pop(request.request_id, None)
+        result: tuple[bool, dict[str, Any] | None] = super().request_finished_all_groups(
+            request, block_ids)
+        return result

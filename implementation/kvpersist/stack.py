@@ -67,14 +67,18 @@ def metric_sum(metrics_text: str, name: str, **labels: str) -> float:
     return total
 
 
-def long_conversation(target_tokens: int = 900) -> list[dict[str, str]]:
-    """A multi-turn chat of about ``target_tokens`` tokens for the byte-level tiny model."""
-    messages = [{"role": "system", "content": "You are the kvpersist demo assistant."}]
+def long_conversation(target_tokens: int = 900, topic: str = "the persistent KV cache"
+                      ) -> list[dict[str, str]]:
+    """A multi-turn chat of about ``target_tokens`` tokens for the byte-level tiny model.
+
+    Different ``topic`` values differ from the first message on, so they share no cached chunk.
+    """
+    messages = [{"role": "system", "content": f"You are the kvpersist assistant for {topic}."}]
     turn = 0
     while sum(len(m["content"]) for m in messages) < target_tokens:
         messages.append({"role": "user", "content":
                          f"Turn {turn}: please remember fact number {turn * 7 % 13} about the "
-                         "persistent KV cache and the NVMe tier it lives on."})
+                         f"{topic} and the NVMe tier it lives on."})
         messages.append({"role": "assistant", "content":
                          f"Noted fact {turn * 7 % 13}; the prefix of this chat is cached."})
         turn += 1

@@ -7,6 +7,9 @@ Invariants
   absolute path, so scheduler and workers resolve the same identity.
 * The LMCache server address comes from the same settings as the server launcher
   (``KVP_BIND_HOST``, ``KVP_ZMQ_PORT``), so the two cannot drift apart.
+* A dead cache service is noticed within ``KVP_HEARTBEAT_S`` (default 2 s; LMCache's default is
+  10 s) and a request waits at most ``KVP_LOOKUP_TIMEOUT_S`` (5 s) for its lookup; blocking
+  LMCache calls (registration, shutdown) give up after ``KVP_MQ_TIMEOUT_S`` (15 s; LMCache: 300 s).
 * On a machine without CUDA the transfer mode is ``engine_driven``: ``lmcache_driven`` leaves
   a 1 GiB ``/dev/shm`` segment per vLLM run there.  ``KVP_MP_TRANSFER_MODE`` overrides.
 """
@@ -36,6 +39,19 @@ def default_transfer_mode() -> str:
     return "auto" if has_cuda else "engine_driven"
 
 
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
 def kv_transfer_config(
     settings: ServerSettings,
     pins: str | Path,
@@ -51,7 +67,11 @@ def kv_transfer_config(
         "lmcache.mp.host": settings.zmq_url,
         "lmcache.mp.port": settings.zmq_port,
         "lmcache.mp.mp_transfer_mode": transfer_mode or default_transfer_mode(),
+        "lmcache.mp.heartbeat_interval": _env_seconds("KVP_HEARTBEAT_S", 2.0),
+        "lmcache.mp.mq_timeout": _env_seconds("KVP_MQ_TIMEOUT_S", 15.0),
         "kvpersist.pins": str(pins_path),
+        "kvpersist.http_url": settings.http_url,
+        "kvpersist.lookup_timeout_s": _env_seconds("KVP_LOOKUP_TIMEOUT_S", 5.0),
     }
     if chat_template_file:
         extra_config["kvpersist.chat_template_file"] = str(Path(chat_template_file).absolute())

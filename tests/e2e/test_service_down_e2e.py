@@ -1,0 +1,124 @@
+"""A dead cache service never stalls serving (failure-model row "cache service down"), and
+vLLM and the server each survive the other's SIGKILL, with real processes.
+
+Bound: a request sent while the LMCache server is dead completes within
+``DOWN_BOUND_S`` = lookup timeout (5 s) + heartbeat detection (2 × 2 s) + LMCache's blocking
+timeout for a store to a dead server (15 s) + normal latency, rounded up to 45 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpersist.pidfile import check_pid_file
+from kvpersist.server import start_server, stop_server
+from kvpersist.settings import ServerSettings, load_settings
+from kvpersist.stack import VllmProcess, chat, free_port, long_conversation, metric_sum
+
+from helpers import TINY_PINS
+
+pytestmark = pytest.mark.e2e
+DOWN_BOUND_S = 45.0
+
+
+@pytest.fixture
+def server_env(tmp_path: Path) -> dict[str, str]:
+    return {"KVP_CACHE_ROOT": str(tmp_path / "cache"), "KVP_ZMQ_PORT": str(free_port()),
+            "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1", "KVP_CACHE_BUDGET_GB": "2"}
+
+
+@pytest.fixture
+def settings(server_env: dict[str, str]) -> Iterator[ServerSettings]:
+    s = load_settings(server_env)
+    yield s
+    stop_server(s)
+
+
+def kill_server(s: ServerSettings) -> None:
+    record = check_pid_file(s.pid_file).record
+    assert record is not None
+    os.kill(record.pid, signal.SIGKILL)
+
+
+def files(root: Path) -> set[str]:
+    return {p.name for p in root.glob("*.kvp")}
+
+
+def wait_new_files(root: Path, before: set[str], timeout: float = 60.0) -> set[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        new = files(root) - before
+        if new:
+            return new
+        time.sleep(0.5)
+    raise AssertionError("no new L2 files: caching did not resume")
+
+
+def test_cache_service_down_and_process_crashes(tiny_model: Path, tmp_path: Path,
+                                                server_env: dict[str, str],
+                                                settings: ServerSettings) -> None:
+    root = settings.cache_root
+    vllm = VllmProcess(tiny_model, TINY_PINS, tmp_path / "vllm.log", server_env)
+    latencies: list[float] = []
+    try:
+        start_server(settings)
+        vllm.start()
+        base = chat(vllm.base_url, long_conversation(900, "topic A"), timeout=120)
+        stored = wait_new_files(root, set())
+
+        # 1. The server dies (SIGKILL) while vLLM serves: requests complete by recompute.
+        kill_server(settings)
+        down: dict[str, object] = {}
+        for topic in ("topic B", "topic C"):  # B before the heartbeat notices, C after
+            began = time.monotonic()
+            down[topic] = chat(vllm.base_url, long_conversation(900, topic), timeout=120)
+            latencies.append(time.monotonic() - began)
+        assert max(latencies) < DOWN_BOUND_S, latencies
+        assert vllm.healthy()
+        print(f"\nlatencies while the server was down: {[round(x, 2) for x in latencies]}")
+
+        # 2. The server comes back: caching resumes without restarting vLLM.
+        start_server(settings)
+        time.sleep(6.0)  # heartbeat (2 s) notices, the worker re-registers its KV caches
+        before = files(root)
+        began = time.monotonic()
+        chat(vllm.base_url, long_conversation(900, "topic D"), timeout=120)
+        assert time.monotonic() - began < DOWN_BOUND_S
+        assert wait_new_files(root, before), "stores did not resume"
+
+        # 3. SIGKILL vLLM alone: a new vLLM gets the prefix from L2 (hits > 0), same answer.
+        vllm.kill()
+        vllm.start()
+        again = chat(vllm.base_url, long_conversation(900, "topic A"), timeout=120)
+        hits = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
+        assert hits >= 256 * len(stored) - 256, hits
+        assert again.tokens == base.tokens and again.logprobs == base.logprobs
+
+        # 4. SIGKILL both: the restart is clean (stale pid file replaced, index rebuilt).
+        vllm.kill()
+        kill_server(settings)
+        time.sleep(1.0)
+        start_server(settings)
+
+        # 5. vLLM started while the server is down starts and serves without the cache.
+        stop_server(settings)
+        vllm.start()
+        cold = chat(vllm.base_url, long_conversation(900, "topic B"), timeout=120)
+        assert cold.tokens == down["topic B"].tokens  # type: ignore[attr-defined]
+        assert metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total") == 0
+        assert "does not answer at start" in vllm.log_path.read_text()
+        # ... and once the server is up again, a vLLM restart hits L2 after the double kill.
+        vllm.kill()
+        start_server(settings)
+        vllm.start()
+        warm = chat(vllm.base_url, long_conversation(900, "topic A"), timeout=120)
+        assert metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total") > 0
+        assert warm.tokens == base.tokens and warm.logprobs == base.logprobs
+    finally:
+        vllm.kill()
