@@ -8,7 +8,6 @@ the checker; the kill lands while the server's write-through to L2 is in progres
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -20,15 +19,17 @@ from pathlib import Path
 
 from kvpersist.l2_store import verify_file
 from kvpersist.pidfile import check_pid_file
-from kvpersist.server import http_get, start_server, stop_server
+from kvpersist.server import start_server, stop_server
 from kvpersist.settings import ServerSettings
 
+from helpers import adapter_status
 from lmcache_client import BenchDriver
 
 MODEL = "org/crash/kvp-" + "c" * 32
 WRITER = r"""
 import sys
 sys.path[:0] = sys.argv[1:3]
+from helpers import adapter_status
 from lmcache_client import BenchDriver
 zmq, http, model, first, count = sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
 d = BenchDriver(zmq, http, model)
@@ -52,15 +53,10 @@ class CycleReport:
     missed_chunks: int = 0
 
 
-def _adapter(s: ServerSettings) -> dict[str, object]:
-    _, body = http_get(s.http_url + "/status", timeout=10)
-    return dict(json.loads(body)["storage_manager"]["l2_adapters"][0])
-
-
 def _wait_scan(s: ServerSettings, timeout: float = 120.0) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while True:
-        status = _adapter(s)
+        status = adapter_status(s)
         if status["scan_done"]:
             return status
         if time.monotonic() > deadline:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 from kvpersist.identity import load_pins
-from kvpersist.settings import REPO_ROOT
+from kvpersist.server import http_get
+from kvpersist.settings import REPO_ROOT, ServerSettings
+from kvpersist.stack import free_port
 
 TINY_PINS = REPO_ROOT / "configs" / "tiny-llama" / "identity.env"
 
@@ -43,3 +48,27 @@ def write_pins(path: Path, **changes: str) -> Path:
     env_names = {f.name: f.env for f in FIELDS}
     path.write_text("".join(f"{env_names[k]}={v}\n" for k, v in pins.items()))
     return path
+
+
+def adapter_status(settings: ServerSettings) -> dict[str, Any]:
+    """The kvpersist adapter's ``report_status`` as the live server's ``/status`` shows it."""
+    _, body = http_get(settings.http_url + "/status", timeout=10)
+    adapters = json.loads(body)["storage_manager"]["l2_adapters"]
+    assert len(adapters) == 1 and adapters[0]["type"] == "KvPersistL2Adapter", adapters
+    return dict(adapters[0])
+
+
+def clear_l1(settings: ServerSettings) -> None:
+    """Empty the server's L1 (host RAM), so the next lookup has to read L2."""
+    req = urllib.request.Request(settings.http_url + "/cache/clear", method="POST",
+                                 data=json.dumps({"tier": "l1", "force": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
+
+
+def server_env(root: Path, **extra: str) -> dict[str, str]:
+    """Settings for a test server on ``root`` with free loopback ports and a 1 GiB L1."""
+    return {"KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(free_port()),
+            "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1",
+            "KVP_CACHE_BUDGET_GB": "2", **extra}

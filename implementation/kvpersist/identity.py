@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .envfile import EnvLineError, parse_env_lines
+
 NAMESPACE_PREFIX = "kvp-"
 NAMESPACE_RE = re.compile(r"^kvp-[0-9a-f]{32}$")
 _SHA1_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -226,16 +228,11 @@ def parse_pins_text(text: str, *, source: str = "<pins>") -> dict[str, str]:
     never silently drops a pin.
     """
     out: dict[str, str] = {}
-    for lineno, raw_line in enumerate(text.splitlines(), 1):
-        line = raw_line.strip()
-        if not line or line.startswith("#"):
-            continue
-        line = line.removeprefix("export ").strip()
-        if "=" not in line:
-            raise IdentityError(f"{source}:{lineno}", f"expected KEY=value, got {raw_line!r}")
-        key, value = (part.strip() for part in line.split("=", 1))
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
+    try:
+        assignments = list(parse_env_lines(text, source))
+    except EnvLineError as exc:
+        raise IdentityError(exc.location, f"expected KEY=value, got {exc.raw!r}") from None
+    for lineno, key, value in assignments:
         spec = _BY_ENV.get(key)
         if spec is None:
             known = ", ".join(sorted(_BY_ENV))

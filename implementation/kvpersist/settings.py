@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .envfile import EnvLineError, parse_env_lines
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GENERIC_CONFIG_DIR = REPO_ROOT / "configs" / "generic"
 GENERIC_SERVER_ENV = GENERIC_CONFIG_DIR / "lmcache-server.env"
@@ -64,19 +66,11 @@ class SettingsError(ValueError):
 
 def parse_env_file(path: Path) -> dict[str, str]:
     """``KEY=value`` lines; comments, blanks, ``export`` and matching quotes are allowed."""
-    out: dict[str, str] = {}
-    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        line = line.removeprefix("export ").strip()
-        if "=" not in line:
-            raise SettingsError(f"{path}:{lineno}: expected KEY=value, got {raw!r}")
-        key, value = (part.strip() for part in line.split("=", 1))
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        out[key] = value
-    return out
+    try:
+        return {key: value for _, key, value in
+                parse_env_lines(path.read_text(encoding="utf-8"), str(path))}
+    except EnvLineError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _positive_float(name: str, raw: str) -> float:

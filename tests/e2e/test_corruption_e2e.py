@@ -8,30 +8,27 @@ LMCache's L1 is cleared before each request, so the prefix comes from (or fails 
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvpersist.l2_format import HEADER_SIZE
-from kvpersist.server import http_get, start_server, stop_server
+from kvpersist.server import start_server, stop_server
 from kvpersist.settings import ServerSettings, load_settings
-from kvpersist.stack import ChatResult, VllmProcess, chat, free_port, long_conversation, metric_sum
+from kvpersist.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 
-from helpers import TINY_PINS
+from helpers import TINY_PINS, adapter_status, clear_l1
+from helpers import server_env as make_server_env
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def server_env(tmp_path: Path) -> dict[str, str]:
-    return {"KVP_CACHE_ROOT": str(tmp_path / "cache"), "KVP_ZMQ_PORT": str(free_port()),
-            "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1", "KVP_CACHE_BUDGET_GB": "2"}
+    return make_server_env(tmp_path / "cache")
 
 
 @pytest.fixture
@@ -39,19 +36,6 @@ def settings(server_env: dict[str, str]) -> Iterator[ServerSettings]:
     s = load_settings(server_env)
     yield s
     stop_server(s)
-
-
-def adapter_status(s: ServerSettings) -> dict[str, Any]:
-    _, body = http_get(s.http_url + "/status", timeout=10)
-    return dict(json.loads(body)["storage_manager"]["l2_adapters"][0])
-
-
-def clear_l1(s: ServerSettings) -> None:
-    req = urllib.request.Request(s.http_url + "/cache/clear", method="POST",
-                                 data=json.dumps({"tier": "l1", "force": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert resp.status == 200
 
 
 def wait_files(root: Path, count: int, timeout: float = 60.0) -> list[Path]:

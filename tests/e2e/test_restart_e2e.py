@@ -16,9 +16,10 @@ from kvpersist.identity import load_pins, merge_sources, sanitize_model_name
 from kvpersist.identity_sources import build_identity, from_model_folder
 from kvpersist.server import http_get, start_server, stop_server
 from kvpersist.settings import ServerSettings, load_settings
-from kvpersist.stack import VllmProcess, chat, free_port, long_conversation, metric_sum
+from kvpersist.stack import VllmProcess, chat, long_conversation, metric_sum
 
 from helpers import TINY_PINS, l2_files, wait_for_l2_files, write_pins
+from helpers import server_env as make_server_env
 
 pytestmark = pytest.mark.e2e
 REQUEST_TIMEOUT = 120.0
@@ -26,13 +27,7 @@ REQUEST_TIMEOUT = 120.0
 
 @pytest.fixture
 def server_env(tmp_path: Path) -> dict[str, str]:
-    return {
-        "KVP_CACHE_ROOT": str(tmp_path / "cache"),
-        "KVP_ZMQ_PORT": str(free_port()),
-        "KVP_HTTP_PORT": str(free_port()),
-        "KVP_L1_SIZE_GB": "1",
-        "KVP_CACHE_BUDGET_GB": "2",
-    }
+    return make_server_env(tmp_path / "cache")
 
 
 @pytest.fixture

@@ -19,9 +19,10 @@ import pytest
 from kvpersist.pidfile import check_pid_file
 from kvpersist.server import start_server, stop_server
 from kvpersist.settings import ServerSettings, load_settings
-from kvpersist.stack import VllmProcess, chat, free_port, long_conversation, metric_sum
+from kvpersist.stack import VllmProcess, chat, long_conversation, metric_sum
 
 from helpers import TINY_PINS
+from helpers import server_env as make_server_env
 
 pytestmark = pytest.mark.e2e
 DOWN_BOUND_S = 45.0
@@ -29,8 +30,7 @@ DOWN_BOUND_S = 45.0
 
 @pytest.fixture
 def server_env(tmp_path: Path) -> dict[str, str]:
-    return {"KVP_CACHE_ROOT": str(tmp_path / "cache"), "KVP_ZMQ_PORT": str(free_port()),
-            "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1", "KVP_CACHE_BUDGET_GB": "2"}
+    return make_server_env(tmp_path / "cache")
 
 
 @pytest.fixture

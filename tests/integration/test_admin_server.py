@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpersist.cli import main
-from kvpersist.server import http_get, start_server, stop_server
+from kvpersist.server import start_server, stop_server
 from kvpersist.settings import ServerSettings, load_settings
-from kvpersist.stack import free_port
 
-from helpers import l2_files, wait_for_l2_files
+from helpers import adapter_status as adapter
+from helpers import clear_l1, l2_files, server_env, wait_for_l2_files
 from lmcache_client import BenchDriver
 
 pytestmark = pytest.mark.integration
@@ -26,9 +25,7 @@ NS_A, NS_B = "kvp-" + "a" * 32, "kvp-" + "b" * 32
 
 @pytest.fixture
 def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ServerSettings]:
-    values = {"KVP_CACHE_ROOT": str(tmp_path / "cache"), "KVP_ZMQ_PORT": str(free_port()),
-              "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1",
-              "KVP_CACHE_BUDGET_GB": "1", "KVP_L2_ADAPTER": "kvpersist"}
+    values = server_env(tmp_path / "cache", KVP_L2_ADAPTER="kvpersist")
     for k, v in values.items():
         monkeypatch.setenv(k, v)
     s = load_settings(values)
@@ -41,11 +38,6 @@ def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object
     out = capsys.readouterr().out
     assert code in (0, 3), out
     return dict(json.loads(out))
-
-
-def adapter(s: ServerSettings) -> dict[str, object]:
-    _, body = http_get(s.http_url + "/status", timeout=10)
-    return dict(json.loads(body)["storage_manager"]["l2_adapters"][0])
 
 
 def test_status_report_cleanup_with_live_server(env: ServerSettings,
@@ -79,10 +71,7 @@ def test_status_report_cleanup_with_live_server(env: ServerSettings,
     assert adapter(env)["used_bytes"] == sum(p.stat().st_size for p in root.glob("*.kvp"))
 
     # the active namespace is intact and readable from L2
-    req = urllib.request.Request(env.http_url + "/cache/clear", method="POST",
-                                 data=b'{"tier":"l1","force":true}',
-                                 headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=10).close()
+    clear_l1(env)
     trip = active.lookup_and_retrieve(6, sums)
     assert (trip.hit_chunks, trip.retrieved_ok, trip.checksums_match) == (4, True, True)
     active.close()

@@ -21,9 +21,10 @@ from kvpersist.l2_store import verify_file
 from kvpersist.pidfile import check_pid_file
 from kvpersist.server import http_get, start_server, stop_server
 from kvpersist.settings import ServerSettings, load_settings
-from kvpersist.stack import free_port
 
 from crash_cycles import run_cycles
+from helpers import adapter_status as adapter
+from helpers import clear_l1, server_env
 from lmcache_client import BenchDriver
 
 pytestmark = pytest.mark.integration
@@ -32,15 +33,8 @@ CHUNK_FILE = HEADER_SIZE + 256 * 1024
 
 
 def make_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
-    return load_settings({
-        "KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(free_port()),
-        "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1",
-        "KVP_CACHE_BUDGET_GB": budget_gb, "KVP_L2_ADAPTER": "kvpersist"})
-
-
-def adapter(s: ServerSettings) -> dict[str, object]:
-    _, body = http_get(s.http_url + "/status", timeout=10)
-    return dict(json.loads(body)["storage_manager"]["l2_adapters"][0])
+    return load_settings(server_env(root, KVP_CACHE_BUDGET_GB=budget_gb,
+                                    KVP_L2_ADAPTER="kvpersist"))
 
 
 @pytest.fixture
@@ -96,10 +90,7 @@ def test_disk_full_rejects_stores_and_resumes(small_fs: Path) -> None:
         trip = d.lookup_and_retrieve(0, sums)
         assert trip.checksums_match
         # free space: remove the log (it lives on the same small fs) and the stored objects
-        req = urllib.request.Request(s.http_url + "/cache/clear", method="POST",
-                                     data=b'{"tier":"l1","force":true}',
-                                     headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(req, timeout=10).close()
+        clear_l1(s)
         listed = json.loads(http_get(s.http_url + "/cache/objects", timeout=10)[1])["entries"]
         body = json.dumps({"keys": [e["key"] for e in listed], "tier": "all"}).encode()
         req = urllib.request.Request(s.http_url + "/cache/objects", method="DELETE", data=body,

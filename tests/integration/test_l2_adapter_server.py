@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from kvpersist.server import (
 from kvpersist.settings import ServerSettings, load_settings
 from kvpersist.stack import free_port
 
-from helpers import l2_files, wait_for_l2_files
+from helpers import adapter_status, clear_l1, l2_files, server_env, wait_for_l2_files
 from lmcache_client import BenchDriver
 
 pytestmark = pytest.mark.integration
@@ -38,11 +37,8 @@ CHUNK_FILE = HEADER_SIZE + 256 * 1024  # one 256-token chunk of the bench shape
 
 
 def make_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
-    return load_settings({
-        "KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(free_port()),
-        "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1",
-        "KVP_CACHE_BUDGET_GB": budget_gb, "KVP_L2_ADAPTER": "kvpersist",
-    })
+    return load_settings(server_env(root, KVP_CACHE_BUDGET_GB=budget_gb,
+                                    KVP_L2_ADAPTER="kvpersist"))
 
 
 @pytest.fixture
@@ -54,21 +50,6 @@ def settings(tmp_path: Path) -> Iterator[ServerSettings]:
 
 def driver(s: ServerSettings, model: str = MODEL_A) -> BenchDriver:
     return BenchDriver(f"{s.zmq_url}:{s.zmq_port}", s.http_url, model)
-
-
-def adapter_status(s: ServerSettings) -> dict[str, Any]:
-    _, body = http_get(s.http_url + "/status", timeout=10)
-    adapters = json.loads(body)["storage_manager"]["l2_adapters"]
-    assert len(adapters) == 1 and adapters[0]["type"] == "KvPersistL2Adapter"
-    return dict(adapters[0])
-
-
-def clear_l1(s: ServerSettings) -> None:
-    req = urllib.request.Request(s.http_url + "/cache/clear", method="POST",
-                                 data=json.dumps({"tier": "l1", "force": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert resp.status == 200
 
 
 def store_and_wait(d: BenchDriver, root: Path, seq: int) -> list[str]:
