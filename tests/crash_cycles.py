@@ -1,6 +1,7 @@
 """kill -9 the LMCache server at random moments during heavy L2 stores, restart, and check the
 promises: no temp file remains, every file verifies, a retrieve never returns wrong bytes, the
 accounting equals the disk.  Used by the CI test (a few cycles) and benchmarks/crash_cycles.py.
+Each cycle checks the sequences written in that cycle and a sample of earlier ones.
 
 The writer runs in a separate process (LMCache's bench client), so a dying server cannot wedge
 the checker; the kill lands while the server's write-through to L2 is in progress.
@@ -72,8 +73,8 @@ def run_cycles(settings: ServerSettings, cycles: int, *, seqs_per_cycle: int = 1
     impl_dir = str(Path(__file__).resolve().parents[1] / "implementation")
     zmq = f"{settings.zmq_url}:{settings.zmq_port}"
     stored_upto = 0
+    start_server(settings)
     for cycle in range(cycles):
-        start_server(settings)
         writer = subprocess.Popen(
             [sys.executable, "-c", WRITER, tests_dir, impl_dir, zmq, settings.http_url, MODEL,
              str(stored_upto), str(seqs_per_cycle)],
@@ -112,17 +113,19 @@ def run_cycles(settings: ServerSettings, cycles: int, *, seqs_per_cycle: int = 1
             if reason is not None:
                 report.bad_files.append(f"{path.name}: {reason}")
         checker = BenchDriver(zmq, settings.http_url, MODEL)
-        for seq in range(stored_upto):
+        earlier = range(stored_upto - seqs_per_cycle)
+        sample = rng.sample(earlier, min(len(earlier), seqs_per_cycle))
+        for seq in [*range(stored_upto - seqs_per_cycle, stored_upto), *sample]:
             expected = checker.checksums(seq)
             trip = checker.lookup_and_retrieve(seq, expected)
             report.retrieved_chunks += trip.hit_chunks
             report.missed_chunks += trip.total_chunks - trip.hit_chunks
             if trip.hit_chunks and not (trip.retrieved_ok and trip.checksums_match):
                 report.wrong_reads += 1
-        checker.close()
-        stop_server(settings)
+        checker.close()  # the server stays up: the next cycle's writer uses it
         report.cycles += 1
         if callable(log):
             log(f"cycle {cycle + 1}/{cycles}: killed after {issued} stores; "
                 f"{report.files_checked} files checked so far, wrong reads {report.wrong_reads}")
+    stop_server(settings)
     return report

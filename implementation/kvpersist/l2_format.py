@@ -24,11 +24,12 @@ Invariants
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -50,9 +51,9 @@ class FormatError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class KeyFields:
-    """The fields of LMCache's ``ObjectKey``, independent of LMCache."""
+class KeyFields(NamedTuple):
+    """The fields of LMCache's ``ObjectKey``, independent of LMCache (a tuple: cheap to build
+    and hash, which the start-up scan does once per file)."""
 
     model_name: str
     kv_rank: int
@@ -75,6 +76,11 @@ def format_name(key: KeyFields) -> str:
     return base + SUFFIX
 
 
+@functools.lru_cache(maxsize=4096)
+def _model_name(safe_model: str) -> str:
+    return safe_model.replace("--", "/")
+
+
 def parse_name(name: str) -> KeyFields:
     """Invert :func:`format_name`; raises FormatError for anything else (temp files too)."""
     if not name.endswith(SUFFIX) or TMP_MARK in name:
@@ -86,19 +92,12 @@ def parse_name(name: str) -> KeyFields:
         if not salt or "@" in salt:
             raise FormatError("bad-name", name)
     parts = stem.rsplit("_", 3)
-    if len(parts) != 4 or not parts[0]:
+    if len(parts) != 4 or not parts[0] or len(parts[1]) != 8:
         raise FormatError("bad-name", name)
     safe_model, rank_hex, group_hex, hash_hex = parts
     try:
-        if len(rank_hex) != 8:
-            raise ValueError(rank_hex)
-        return KeyFields(
-            model_name=safe_model.replace("--", "/"),
-            kv_rank=int(rank_hex, 16),
-            object_group_id=int(group_hex, 16),
-            chunk_hash=bytes.fromhex(hash_hex),
-            cache_salt=salt,
-        )
+        return KeyFields(_model_name(safe_model), int(rank_hex, 16), int(group_hex, 16),
+                         bytes.fromhex(hash_hex), salt)
     except ValueError:
         raise FormatError("bad-name", name) from None
 

@@ -166,10 +166,14 @@ class KvFileStore:
 
     # ------------------------------------------------------------------ index
 
-    def _index_add(self, items: Iterable[tuple[KeyFields, int]]) -> None:
+    def _index_add(self, items: Iterable[tuple[KeyFields, int]], *, release_reserved: int = 0
+                   ) -> None:
+        """Add entries; ``release_reserved`` bytes of reservation are released in the same
+        critical section, so ``used + reserved`` never dips while a store turns into usage."""
         added_keys: list[KeyFields] = []
         added_sizes: list[int] = []
         with self._lock:
+            self._reserved -= release_reserved
             for key, size in items:
                 if key in self._index:
                     continue
@@ -295,13 +299,17 @@ class KvFileStore:
             self._reserved += size
         try:
             outcome = self._write(key, data, layout)
-        finally:
+        except BaseException:
             with self._lock:
                 self._reserved -= size
+            raise
         if outcome == "stored":
-            self._index_add([(key, size)])
+            self._index_add([(key, size)], release_reserved=size)
             self.stats.stores += 1
             self.stats.stored_bytes += size
+        else:
+            with self._lock:
+                self._reserved -= size
         return outcome
 
     def _write(self, key: KeyFields, data: memoryview, layout: dict[str, Any] | None) -> str:

@@ -200,7 +200,7 @@ def test_concurrent_stores_never_exceed_cap(tmp_path: Path) -> None:
         for i in range(start, start + 20):
             results.append(store.put(key(i), payload(i)))
 
-    threads = [threading.Thread(target=worker, args=(n * 100,)) for n in range(4)]
+    threads = [threading.Thread(target=worker, args=(n * 100,)) for n in range(8)]
     for t in threads:
         t.start()
     for t in threads:
