@@ -56,7 +56,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", type=int, default=1_000_000)
     parser.add_argument("--root", help="where to build the tree (default: a temp dir)")
-    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the tree (reused next time)")
     args = parser.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="kvp-admin-scale-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -64,8 +64,11 @@ def main() -> int:
                KVP_CACHE_BUDGET_GB="1500", PYTHONPATH=str(REPO / "implementation"))
     py = sys.executable
     try:
-        print(f"generating {args.files} sparse files in {root}")
-        generate(root, args.files)
+        if any(root.glob("*.kvp")):
+            print(f"reusing the tree in {root}")
+        else:
+            print(f"generating {args.files} sparse files in {root}")
+            generate(root, args.files)
         subprocess.run(["du", "-s", str(root)], check=True, capture_output=True)  # warm caches
         du_s, _ = timed(["du", "-s", str(root)], env)
         report_s, out = timed([py, "-m", "kvpersist.cli", "report", "--json",

@@ -116,7 +116,7 @@ def safe_to_delete(root: Path, f: CacheFile) -> str | None:
     parent_ok = all(not p.is_symlink() for p in f.path.parents if p.is_relative_to(root))
     if not parent_ok:
         return "reached through a symlink"
-    cls, _ = classify(f.path.name, f.cls == "quarantine")
+    cls, _ = classify(f.name, f.cls == "quarantine")
     if cls != f.cls:
         return f"changed class ({cls})"
     return None
@@ -125,10 +125,11 @@ def safe_to_delete(root: Path, f: CacheFile) -> str | None:
 def _delete_via_server(http_url: str, files: list[CacheFile], timeout: float) -> None:
     keys = []
     for f in files:
-        assert f.key is not None
-        keys.append({"chunk_hash_hex": f.key.chunk_hash.hex(), "model_name": f.key.model_name,
-                     "kv_rank": f.key.kv_rank, "object_group_id": f.key.object_group_id,
-                     "cache_salt": f.key.cache_salt})
+        key = f.key
+        assert key is not None
+        keys.append({"chunk_hash_hex": key.chunk_hash.hex(), "model_name": key.model_name,
+                     "kv_rank": key.kv_rank, "object_group_id": key.object_group_id,
+                     "cache_salt": key.cache_salt})
     req = urllib.request.Request(http_url + "/cache/objects", method="DELETE",
                                  data=json.dumps({"keys": keys, "tier": "all"}).encode(),
                                  headers={"Content-Type": "application/json"})

@@ -15,13 +15,15 @@ Invariants
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .l2_format import SUFFIX, TMP_MARK, FormatError, KeyFields, parse_name
 from .l2_store import QUARANTINE_DIR
@@ -29,32 +31,62 @@ from .l2_store import QUARANTINE_DIR
 NIXL_SUFFIX = ".bin"
 CACHE_SUFFIXES = (SUFFIX, NIXL_SUFFIX)
 CLASSES = ("live", "temp", "quarantine", "unparsable", "foreign")
-
-
 class InventoryError(RuntimeError):
     """The root cannot be inventoried (missing, not a directory, unreadable)."""
 
 
-@dataclass(frozen=True)
-class CacheFile:
-    """One file under the root.  ``key`` is set for live files only."""
+@functools.lru_cache(maxsize=65536)
+def split_model_name(model_name: str) -> tuple[str, str]:
+    """LMCache model name → (namespace or '', model id)."""
+    head, _, last = model_name.rpartition("/")
+    if last.startswith("kvp-") and head:
+        return last, head
+    return "", model_name
 
-    path: Path
+
+@functools.lru_cache(maxsize=65536)
+def _model_from_safe(safe_model: str) -> str:
+    return safe_model.replace("--", "/")
+
+
+class CacheFile(NamedTuple):
+    """One file under the root.  ``model_name`` (LMCache's) is set for live files only."""
+
+    dir: str
+    name: str
     cls: str
-    size: int  # bytes allocated on disk (st_blocks * 512) never exceed this; we count st_size
+    size: int
     mtime: float
-    key: KeyFields | None = None
+    model_name: str = ""
+
+    @classmethod
+    def at(cls, path: Path, kind: str, size: int, mtime: float, model_name: str = "") -> CacheFile:
+        return cls(str(path.parent), path.name, kind, size, mtime, model_name)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir, self.name)
+
+    @property
+    def key(self) -> KeyFields | None:
+        """The full object key of a live file (parsed on demand)."""
+        if self.cls != "live":
+            return None
+        name = self.name
+        if name.endswith(NIXL_SUFFIX):
+            name = name[: -len(NIXL_SUFFIX)] + SUFFIX
+        try:
+            return parse_name(name)
+        except FormatError:
+            return None
 
     @property
     def namespace(self) -> str:
-        return self.key.namespace if self.key else ""
+        return split_model_name(self.model_name)[0] if self.model_name else ""
 
     @property
     def model_id(self) -> str:
-        if self.key is None:
-            return ""
-        name = self.key.model_name
-        return name.rsplit("/", 1)[0] if self.key.namespace else name
+        return split_model_name(self.model_name)[1] if self.model_name else ""
 
 
 @dataclass
@@ -74,23 +106,34 @@ class Inventory:
     seconds: float
 
     def by_class(self) -> dict[str, tuple[int, int]]:
-        out = {c: (0, 0) for c in CLASSES}
+        counts = dict.fromkeys(CLASSES, 0)
+        sizes = dict.fromkeys(CLASSES, 0)
         for f in self.files:
-            n, b = out[f.cls]
-            out[f.cls] = (n + 1, b + f.size)
-        return out
+            counts[f.cls] += 1
+            sizes[f.cls] += f.size
+        return {c: (counts[c], sizes[c]) for c in CLASSES}
 
     def namespaces(self) -> dict[str, NamespaceUsage]:
-        out: dict[str, NamespaceUsage] = {}
+        per_model: dict[str, list[float]] = {}  # model name → [files, bytes, last access]
         for f in self.files:
             if f.cls != "live":
                 continue
-            ns = f.namespace or "(no namespace)"
-            usage = out.setdefault(ns, NamespaceUsage(ns))
-            usage.model_ids.add(f.model_id)
-            usage.files += 1
-            usage.bytes += f.size
-            usage.last_access = max(usage.last_access, f.mtime)
+            acc = per_model.get(f.model_name)
+            if acc is None:
+                per_model[f.model_name] = [1, f.size, f.mtime]
+            else:
+                acc[0] += 1
+                acc[1] += f.size
+                if f.mtime > acc[2]:
+                    acc[2] = f.mtime
+        out: dict[str, NamespaceUsage] = {}
+        for model_name, (files, nbytes, last) in per_model.items():
+            ns, model_id = split_model_name(model_name)
+            usage = out.setdefault(ns or "(no namespace)", NamespaceUsage(ns or "(no namespace)"))
+            usage.model_ids.add(model_id)
+            usage.files += int(files)
+            usage.bytes += int(nbytes)
+            usage.last_access = max(usage.last_access, last)
         return out
 
     @property
@@ -103,41 +146,37 @@ class Inventory:
         return sum(f.size for f in self.files if f.cls in ("live", "temp", "quarantine"))
 
 
-def classify(name: str, in_quarantine: bool) -> tuple[str, KeyFields | None]:
+def classify(name: str, in_quarantine: bool) -> tuple[str, str]:
+    """(class, LMCache model name for live files) of a file name."""
     if in_quarantine:
-        return "quarantine", None
+        return "quarantine", ""
     if TMP_MARK in name and SUFFIX in name:
-        return "temp", None
+        return "temp", ""
     if name.endswith(CACHE_SUFFIXES):
-        try:
-            return "live", parse_name(name[: -len(NIXL_SUFFIX)] + SUFFIX
-                                      if name.endswith(NIXL_SUFFIX) else name)
-        except FormatError:
-            return "unparsable", None
-    return "foreign", None
+        model_name = _live_model_name(name)
+        return ("unparsable", "") if model_name is None else ("live", model_name)
+    return "foreign", ""
 
 
-def _walk(root: Path, errors: list[str]) -> Iterator[tuple[os.DirEntry[str], bool]]:
-    """Yield (entry, in_quarantine) for every non-directory entry, never following symlinks."""
-    stack: list[tuple[str, bool]] = [(str(root), False)]
-    while stack:
-        directory, in_q = stack.pop()
-        try:
-            with os.scandir(directory) as it:
-                entries = list(it)
-        except OSError as exc:
-            errors.append(f"cannot read directory {directory}: {exc.strerror}")
-            continue
-        for entry in entries:
-            try:
-                is_dir = entry.is_dir(follow_symlinks=False)
-            except OSError:
-                is_dir = False
-            if is_dir:
-                stack.append((entry.path, in_q or (directory == str(root)
-                                                   and entry.name == QUARANTINE_DIR)))
-            else:
-                yield entry, in_q
+def _live_model_name(name: str) -> str | None:
+    """The LMCache model name if ``name`` has the shape of ``l2_format.format_name`` (or of a
+    nixl_store_dynamic ``.bin`` name), else None.  Cheaper than a full parse (no key object),
+    which matters once per file in a million-file inventory."""
+    stem = name[:-4]  # both suffixes have four characters
+    if "@" in stem:
+        stem, _, salt = stem.partition("@")
+        if not salt or "@" in salt:
+            return None
+    parts = stem.rsplit("_", 3)
+    if len(parts) != 4 or not parts[0] or len(parts[1]) != 8:
+        return None
+    try:
+        int(parts[1], 16)
+        int(parts[2], 16)
+        bytes.fromhex(parts[3])
+    except ValueError:
+        return None
+    return _model_from_safe(parts[0])
 
 
 def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None = None
@@ -153,19 +192,38 @@ def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None 
     began = time.monotonic()
     errors: list[str] = []
     files: list[CacheFile] = []
-    for count, (entry, in_q) in enumerate(_walk(base, errors), 1):
+    append = files.append
+    is_reg, is_lnk = stat.S_ISREG, stat.S_ISLNK
+    stack: list[tuple[str, bool]] = [(str(base), False)]
+    count = 0
+    while stack:
+        directory, in_q = stack.pop()
         try:
-            st = entry.stat(follow_symlinks=False)
+            it = os.scandir(directory)
         except OSError as exc:
-            errors.append(f"cannot stat {entry.path}: {exc.strerror}")
+            errors.append(f"cannot read directory {directory}: {exc.strerror}")
             continue
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-            files.append(CacheFile(Path(entry.path), "foreign", 0, st.st_mtime))
-            continue
-        cls, key = classify(entry.name, in_q)
-        files.append(CacheFile(Path(entry.path), cls, st.st_size, st.st_mtime, key))
-        if progress is not None and count % 10000 == 0:
-            progress(count)
+        with it:
+            for entry in it:
+                name = entry.name
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append((entry.path, in_q or (directory == str(base)
+                                                           and name == QUARANTINE_DIR)))
+                        continue
+                    st = entry.stat(follow_symlinks=False)
+                except OSError as exc:
+                    errors.append(f"cannot stat {entry.path}: {exc.strerror}")
+                    continue
+                mode = st.st_mode
+                if is_lnk(mode) or not is_reg(mode):
+                    append(CacheFile(directory, name, "foreign", 0, st.st_mtime))
+                    continue
+                kind, model_name = classify(name, in_q)
+                append(CacheFile(directory, name, kind, st.st_size, st.st_mtime, model_name))
+                count += 1
+                if progress is not None and count % 10000 == 0:
+                    progress(count)
     return Inventory(base, files, errors, time.monotonic() - began)
 
 

@@ -55,7 +55,7 @@ class CleanupPlan:
 
 
 def _oldest_first(files: Iterable[CacheFile]) -> list[CacheFile]:
-    return sorted(files, key=lambda f: (f.mtime, str(f.path)))
+    return sorted(files, key=lambda f: (f.mtime, f.dir, f.name))
 
 
 def plan_cleanup(

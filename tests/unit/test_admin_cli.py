@@ -111,10 +111,10 @@ def test_cleanup_to_target_takes_lru_tail(root: Path, capsys: pytest.CaptureFixt
 
 
 def test_safe_to_delete_refuses_escapes(root: Path, tmp_path: Path) -> None:
-    escape = CacheFile(root / ".." / "precious.kvp", "live", 7, 0.0)
+    escape = CacheFile.at(root / ".." / "precious.kvp", "live", 7, 0.0)
     assert safe_to_delete(root, escape) == "outside the cache root"
     link = next(p for p in root.iterdir() if p.is_symlink())
-    assert safe_to_delete(root, CacheFile(link, "live", 7, 0.0)) is not None
+    assert safe_to_delete(root, CacheFile.at(link, "live", 7, 0.0)) is not None
 
 
 def test_quota_commands(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
