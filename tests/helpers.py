@@ -72,3 +72,11 @@ def server_env(root: Path, **extra: str) -> dict[str, str]:
     return {"KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(free_port()),
             "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1",
             "KVP_CACHE_BUDGET_GB": "2", **extra}
+
+
+def kvpersist_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
+    """Validated settings of a test server with the kvpersist adapter on ``root``."""
+    from kvpersist.settings import load_settings
+
+    return load_settings(server_env(root, KVP_CACHE_BUDGET_GB=budget_gb,
+                                    KVP_L2_ADAPTER="kvpersist"))

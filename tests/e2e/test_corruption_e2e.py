@@ -10,32 +10,18 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpersist.l2_format import HEADER_SIZE
-from kvpersist.server import start_server, stop_server
-from kvpersist.settings import ServerSettings, load_settings
+from kvpersist.server import start_server
+from kvpersist.settings import ServerSettings
 from kvpersist.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 
 from helpers import TINY_PINS, adapter_status, clear_l1
-from helpers import server_env as make_server_env
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def server_env(tmp_path: Path) -> dict[str, str]:
-    return make_server_env(tmp_path / "cache")
-
-
-@pytest.fixture
-def settings(server_env: dict[str, str]) -> Iterator[ServerSettings]:
-    s = load_settings(server_env)
-    yield s
-    stop_server(s)
 
 
 def wait_files(root: Path, count: int, timeout: float = 60.0) -> list[Path]:

@@ -4,9 +4,7 @@ and every answer equals the one it gave before: from L2 where a chunk fit, recom
 
 from __future__ import annotations
 
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,20 +18,6 @@ from helpers import TINY_PINS, adapter_status, clear_l1
 from helpers import server_env as make_server_env
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({res.stderr.strip()})")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_disk_full_vllm_keeps_answering_correctly(tiny_model: Path, tmp_path: Path,

@@ -7,7 +7,6 @@ new namespace with no hits and leaves the old files untouched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,26 +14,13 @@ import pytest
 from kvpersist.identity import load_pins, merge_sources, sanitize_model_name
 from kvpersist.identity_sources import build_identity, from_model_folder
 from kvpersist.server import http_get, start_server, stop_server
-from kvpersist.settings import ServerSettings, load_settings
+from kvpersist.settings import ServerSettings
 from kvpersist.stack import VllmProcess, chat, long_conversation, metric_sum
 
 from helpers import TINY_PINS, l2_files, wait_for_l2_files, write_pins
-from helpers import server_env as make_server_env
 
 pytestmark = pytest.mark.e2e
 REQUEST_TIMEOUT = 120.0
-
-
-@pytest.fixture
-def server_env(tmp_path: Path) -> dict[str, str]:
-    return make_server_env(tmp_path / "cache")
-
-
-@pytest.fixture
-def settings(server_env: dict[str, str]) -> Iterator[ServerSettings]:
-    s = load_settings(server_env)
-    yield s
-    stop_server(s)
 
 
 def expected_namespace(model_dir: Path, pins_path: Path, **live: object) -> str:

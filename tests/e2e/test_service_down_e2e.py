@@ -11,33 +11,19 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpersist.pidfile import check_pid_file
 from kvpersist.server import start_server, stop_server
-from kvpersist.settings import ServerSettings, load_settings
+from kvpersist.settings import ServerSettings
 from kvpersist.stack import VllmProcess, chat, long_conversation, metric_sum
 
 from helpers import TINY_PINS
-from helpers import server_env as make_server_env
 
 pytestmark = pytest.mark.e2e
 DOWN_BOUND_S = 45.0
-
-
-@pytest.fixture
-def server_env(tmp_path: Path) -> dict[str, str]:
-    return make_server_env(tmp_path / "cache")
-
-
-@pytest.fixture
-def settings(server_env: dict[str, str]) -> Iterator[ServerSettings]:
-    s = load_settings(server_env)
-    yield s
-    stop_server(s)
 
 
 def kill_server(s: ServerSettings) -> None:

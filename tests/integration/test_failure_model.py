@@ -7,11 +7,9 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,28 +18,16 @@ from kvpersist.l2_format import HEADER_SIZE
 from kvpersist.l2_store import verify_file
 from kvpersist.pidfile import check_pid_file
 from kvpersist.server import http_get, start_server, stop_server
-from kvpersist.settings import ServerSettings, load_settings
+from kvpersist.settings import ServerSettings
 
 from crash_cycles import run_cycles
 from helpers import adapter_status as adapter
-from helpers import clear_l1, server_env
+from helpers import clear_l1, kvpersist_settings
 from lmcache_client import BenchDriver
 
 pytestmark = pytest.mark.integration
 MODEL = "org/model/kvp-" + "f" * 32
 CHUNK_FILE = HEADER_SIZE + 256 * 1024
-
-
-def make_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
-    return load_settings(server_env(root, KVP_CACHE_BUDGET_GB=budget_gb,
-                                    KVP_L2_ADAPTER="kvpersist"))
-
-
-@pytest.fixture
-def settings(tmp_path: Path) -> Iterator[ServerSettings]:
-    s = make_settings(tmp_path / "cache")
-    yield s
-    stop_server(s)
 
 
 def test_kill_9_during_heavy_stores(settings: ServerSettings) -> None:
@@ -54,25 +40,10 @@ def test_kill_9_during_heavy_stores(settings: ServerSettings) -> None:
     assert report.files_checked > 0 and report.retrieved_chunks > 0
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({res.stderr.strip()}); ENOSPC is "
-                    "covered by the store's unit tests only")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_disk_full_rejects_stores_and_resumes(small_fs: Path) -> None:
     """A 3 MiB file system under a 1 GiB budget: ENOSPC is a rejected store, never a partial
     file; serving continues; once space is freed, stores resume."""
-    s = make_settings(small_fs / "cache")
+    s = kvpersist_settings(small_fs / "cache")
     try:
         start_server(s)
         d = BenchDriver(f"{s.zmq_url}:{s.zmq_port}", s.http_url, MODEL)
@@ -108,7 +79,7 @@ def test_disk_full_rejects_stores_and_resumes(small_fs: Path) -> None:
 def test_kill_during_eviction_restarts_clean(tmp_path: Path) -> None:
     budget_files = 12
     budget_gb = f"{budget_files * CHUNK_FILE / 1024**3:.9f}"
-    s = make_settings(tmp_path / "cache", budget_gb)
+    s = kvpersist_settings(tmp_path / "cache", budget_gb)
     try:
         start_server(s)
         d = BenchDriver(f"{s.zmq_url}:{s.zmq_port}", s.http_url, MODEL)

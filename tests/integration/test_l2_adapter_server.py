@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +26,19 @@ from kvpersist.server import (
 from kvpersist.settings import ServerSettings, load_settings
 from kvpersist.stack import free_port
 
-from helpers import adapter_status, clear_l1, l2_files, server_env, wait_for_l2_files
+from helpers import (
+    adapter_status,
+    clear_l1,
+    kvpersist_settings,
+    l2_files,
+    wait_for_l2_files,
+)
 from lmcache_client import BenchDriver
 
 pytestmark = pytest.mark.integration
 MODEL_A = "org/model/kvp-" + "a" * 32
 MODEL_B = "org/model/kvp-" + "b" * 32
 CHUNK_FILE = HEADER_SIZE + 256 * 1024  # one 256-token chunk of the bench shape
-
-
-def make_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
-    return load_settings(server_env(root, KVP_CACHE_BUDGET_GB=budget_gb,
-                                    KVP_L2_ADAPTER="kvpersist"))
-
-
-@pytest.fixture
-def settings(tmp_path: Path) -> Iterator[ServerSettings]:
-    s = make_settings(tmp_path / "cache")
-    yield s
-    stop_server(s)
 
 
 def driver(s: ServerSettings, model: str = MODEL_A) -> BenchDriver:
@@ -169,7 +162,7 @@ def test_corruption_is_a_miss_then_repaired(settings: ServerSettings, how: str) 
 def test_accounting_cap_and_eviction(tmp_path: Path) -> None:
     budget_files = 24
     budget_gb = budget_files * CHUNK_FILE / 1024**3
-    s = make_settings(tmp_path / "cache", budget_gb=f"{budget_gb:.9f}")
+    s = kvpersist_settings(tmp_path / "cache", budget_gb=f"{budget_gb:.9f}")
     cap = int(float(f"{budget_gb:.9f}") * 1024**3)
     try:
         start_server(s)
