@@ -56,14 +56,15 @@ def test_status_report_cleanup_with_live_server(env: ServerSettings,
 
     status = cli_json(capsys, "status")
     assert status["healthy"] is True and status["pid_state"] == "running"
-    report = cli_json(capsys, "report", "--active", NS_A)
+    report = cli_json(capsys, "report")  # active namespaces asked from the running server
+    assert report["active_source"] == "server" and report["active_namespaces"] == [NS_A]
     rows = {r["namespace"]: r for r in report["namespaces"]}  # type: ignore[attr-defined]
     server_used = adapter(env)["used_bytes"]
     assert report["classes"]["live"]["bytes"] == server_used  # type: ignore[index]
     assert rows[NS_A]["files"] == rows[NS_B]["files"] == 4
     assert rows[NS_B]["state"] == "stale"
 
-    result = cli_json(capsys, "cleanup", "--apply", "--active", NS_A)
+    result = cli_json(capsys, "cleanup", "--apply")
     assert result["deleted_files"] == 4 and result["via_server"] == 4
     time.sleep(1.0)
     names = l2_files(root, (".kvp",))
