@@ -88,10 +88,9 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
         vllm.start()
         third = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
         assert metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total") == 0
-        # Computed afresh by an engine with another max length: the same prompt, a real answer.
-        # (Its tokens are not compared: another --max-model-len compiles other graphs, and a
-        # random-weight model's near-ties may then break differently.)
-        assert third.prompt_tokens == first.prompt_tokens and third.tokens
+        # Computed afresh: the same greedy tokens, up to the shorter room the 1024-token limit
+        # leaves after this ~1000-token prompt.
+        assert third.tokens and third.tokens == first.tokens[: len(third.tokens)]
         after = wait_for_l2_files(root, min_count=len(before_change) + 1)
         for name, digest in before_change.items():
             assert after.get(name) == digest, f"old file {name} changed or vanished"
