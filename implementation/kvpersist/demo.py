@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from .identity import load_pins, sanitize_model_name
-from .server import start_server, stop_server
+from .server import http_get, start_server, stop_server
 from .settings import REPO_ROOT, load_settings
 from .stack import ChatResult, VllmProcess, chat, free_port, long_conversation, metric_sum
 from .tiny_model import build_tiny_model
@@ -34,6 +34,13 @@ def l2_files(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_file() and p.suffix in (".bin", ".kvp"))
 
 
+def wait_for_files(root: Path, count: int, timeout: float = 60.0) -> None:
+    """Wait until ``count`` L2 files exist (a store is published by rename, never partly)."""
+    deadline = time.monotonic() + timeout
+    while len(l2_files(root)) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def run_demo(work: Path, cache_root: Path, *, tokens: int, keep: bool) -> int:
     models = work / "models"
     models.mkdir(parents=True, exist_ok=True)
@@ -47,9 +54,9 @@ def run_demo(work: Path, cache_root: Path, *, tokens: int, keep: bool) -> int:
         "KVP_CACHE_ROOT": str(cache_root),
         "KVP_ZMQ_PORT": str(free_port()),
         "KVP_HTTP_PORT": str(free_port()),
+        "KVP_L1_SIZE_GB": "1",  # the demo machine has 24 GiB; production default is 64
+        "KVP_CACHE_BUDGET_GB": "4",
     }
-    for key, default in (("KVP_L1_SIZE_GB", "1"), ("KVP_CACHE_BUDGET_GB", "4")):
-        server_env[key] = default
     settings = load_settings(server_env)
     messages = long_conversation(tokens)
     answers: list[ChatResult] = []
@@ -68,10 +75,10 @@ def run_demo(work: Path, cache_root: Path, *, tokens: int, keep: bool) -> int:
                  f"{answer.seconds:.2f}s: {answer.text!r}")
             if round_no == 2:
                 hits_vllm = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
-                from .server import http_get
                 _, body = http_get(settings.http_url + "/metrics")
                 hits_l2 = metric_sum(body.decode(), "lmcache_mp_lookup_hit_l2_tokens_total")
-            time.sleep(2.0)  # let the write-through to L2 finish before stopping
+            else:  # the write-through to L2 is asynchronous: wait for it before stopping
+                wait_for_files(cache_root, answer.prompt_tokens // 256)
             vllm.stop()
             stopped = stop_server(settings)
             _say(f"round {round_no}: stopped vLLM and {stopped.describe(settings.pid_file)}")
@@ -109,8 +116,7 @@ def run_demo(work: Path, cache_root: Path, *, tokens: int, keep: bool) -> int:
     ok = identical and hits_vllm > 0
     print("RESULT: " + ("OK, the prefill was served from the persistent L2 tier" if ok else
                         "FAILED (see vllm.log and lmcache-server.log)"))
-    if not keep:
-        _say(f"logs kept in {work}")
+    _say(f"logs in {work}" + ("" if keep else f"; the temporary {cache_root} is removed"))
     return 0 if ok else 1
 
 
