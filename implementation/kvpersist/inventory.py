@@ -15,7 +15,6 @@ Invariants
 
 from __future__ import annotations
 
-import functools
 import os
 import stat
 import sys
@@ -25,7 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from .l2_format import SUFFIX, TMP_MARK, FormatError, KeyFields, parse_name
+from .l2_format import (
+    SUFFIX,
+    TMP_MARK,
+    FormatError,
+    KeyFields,
+    model_name_from_safe,
+    parse_name,
+    split_model_name,
+)
 from .l2_store import QUARANTINE_DIR
 
 NIXL_SUFFIX = ".bin"
@@ -33,20 +40,6 @@ CACHE_SUFFIXES = (SUFFIX, NIXL_SUFFIX)
 CLASSES = ("live", "temp", "quarantine", "unparsable", "foreign")
 class InventoryError(RuntimeError):
     """The root cannot be inventoried (missing, not a directory, unreadable)."""
-
-
-@functools.lru_cache(maxsize=65536)
-def split_model_name(model_name: str) -> tuple[str, str]:
-    """LMCache model name → (namespace or '', model id)."""
-    head, _, last = model_name.rpartition("/")
-    if last.startswith("kvp-") and head:
-        return last, head
-    return "", model_name
-
-
-@functools.lru_cache(maxsize=65536)
-def _model_from_safe(safe_model: str) -> str:
-    return safe_model.replace("--", "/")
 
 
 class CacheFile(NamedTuple):
@@ -137,10 +130,6 @@ class Inventory:
         return out
 
     @property
-    def live_bytes(self) -> int:
-        return sum(f.size for f in self.files if f.cls == "live")
-
-    @property
     def cache_bytes(self) -> int:
         """Bytes of every KV file the cache tier owns (live + temp + quarantine)."""
         return sum(f.size for f in self.files if f.cls in ("live", "temp", "quarantine"))
@@ -176,7 +165,7 @@ def _live_model_name(name: str) -> str | None:
         bytes.fromhex(parts[3])
     except ValueError:
         return None
-    return _model_from_safe(parts[0])
+    return model_name_from_safe(parts[0])
 
 
 def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None = None

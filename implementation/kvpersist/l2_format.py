@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 
 import xxhash
 
+from .identity import sanitize_model_name
+
 MAGIC = b"KVPCACHE"
 FORMAT_VERSION = 1
 HEADER_SIZE = 4096
@@ -64,20 +66,29 @@ class KeyFields(NamedTuple):
     @property
     def namespace(self) -> str:
         """The kvpersist namespace (last path component of the model name), or ''."""
-        last = self.model_name.rsplit("/", 1)[-1]
-        return last if last.startswith("kvp-") else ""
+        return split_model_name(self.model_name)[0]
+
+
+@functools.lru_cache(maxsize=65536)
+def split_model_name(model_name: str) -> tuple[str, str]:
+    """LMCache model name → (kvpersist namespace or '', model id)."""
+    head, _, last = model_name.rpartition("/")
+    if last.startswith("kvp-") and head:
+        return last, head
+    return "", model_name
 
 
 def format_name(key: KeyFields) -> str:
-    safe_model = key.model_name.replace("/", "--")
+    safe_model = sanitize_model_name(key.model_name)
     base = f"{safe_model}_{key.kv_rank:08x}_{key.object_group_id:x}_{key.chunk_hash.hex()}"
     if key.cache_salt:
         base += f"@{key.cache_salt}"
     return base + SUFFIX
 
 
-@functools.lru_cache(maxsize=4096)
-def _model_name(safe_model: str) -> str:
+@functools.lru_cache(maxsize=65536)
+def model_name_from_safe(safe_model: str) -> str:
+    """Inverse of :func:`kvpersist.identity.sanitize_model_name` (``--`` back to ``/``)."""
     return safe_model.replace("--", "/")
 
 
@@ -96,7 +107,7 @@ def parse_name(name: str) -> KeyFields:
         raise FormatError("bad-name", name)
     safe_model, rank_hex, group_hex, hash_hex = parts
     try:
-        return KeyFields(_model_name(safe_model), int(rank_hex, 16), int(group_hex, 16),
+        return KeyFields(model_name_from_safe(safe_model), int(rank_hex, 16), int(group_hex, 16),
                          bytes.fromhex(hash_hex), salt)
     except ValueError:
         raise FormatError("bad-name", name) from None
