@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create (or refresh) the project's virtual environment from the pinned lock. Idempotent: a stamp
-# holding the digest of the lock and pyproject.toml skips the work when nothing changed.
+# Create (or refresh) the project's virtual environment from the pinned lock, and build the C
+# inventory walker (kvpersist._walk) in place. Idempotent: stamps holding the digests of what each
+# step depends on skip the work when nothing changed.
 #   KVP_VENV   where the environment goes (default: <repo>/.venv)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,7 +10,30 @@ lock="$here/requirements/cpu-lock.txt"
 stamp="$venv/.kvp-lock-digest"
 # What the environment depends on: the lock, this script, and pyproject's [project] table.
 want="$( { cat "$lock" "$0"; sed -n '/^\[project\]/,/^\[tool/p' "$here/pyproject.toml"; } | sha256sum | cut -c1-64)"
+
+build_walker() {
+  # The C walker, built in place next to its source (the package is installed editable).
+  # Optional by design (setup.py): without a compiler the Python walker is used instead.
+  local src="$here/implementation/kvpersist/_walk.c" walk_stamp="$venv/.kvp-walk-digest" log
+  local walk_want
+  walk_want="$(cat "$here/setup.py" "$src" | sha256sum | cut -c1-64)"
+  if [[ -f "$walk_stamp" && "$(cat "$walk_stamp")" == "$walk_want" ]] \
+     && compgen -G "$here/implementation/kvpersist/_walk*.so" >/dev/null; then
+    return 0
+  fi
+  log="$(mktemp)"
+  if (cd "$here" && "$venv/bin/python" setup.py -q build_ext --inplace) >"$log" 2>&1 \
+     && "$venv/bin/python" -c "import kvpersist._walk" 2>>"$log"; then
+    echo "$walk_want" > "$walk_stamp"
+  else
+    echo "bootstrap: the C walker did not build; kvp-admin falls back to the Python walker:" >&2
+    cat "$log" >&2
+  fi
+  rm -f "$log"
+}
+
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
+  build_walker
   exit 0
 fi
 echo "bootstrap: installing the pinned environment into $venv (first time: a few minutes)" >&2
@@ -24,4 +48,6 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "$venv/bin/python" -c "import vllm, lmcache, kvpersist.connector" 2>/dev/null \
   || { echo "bootstrap: the environment does not import vllm/lmcache/kvpersist" >&2; exit 1; }
 echo "$want" > "$stamp"
+rm -f "$venv/.kvp-walk-digest"
+build_walker
 echo "bootstrap: ready" >&2

@@ -11,6 +11,10 @@ Invariants
   ``unparsable`` (a cache suffix whose name does not parse) or ``foreign`` (anything else:
   the server's pid/log/lock files, operator files).  Only the first three are ever proposed
   for deletion; ``unparsable`` only on explicit request, ``foreign`` never.
+* The two walkers, the C one (``kvpersist._walk``, used when it is built) and the pure-Python
+  one, give the same inventory of the same tree (the tests compare them).  An inventory is held
+  as columns (numpy arrays, one row per file) so that a million files cost no Python object each;
+  :class:`CacheFile` rows are made only for the files a caller asks for.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 from .l2_format import (
     SUFFIX,
@@ -32,12 +39,24 @@ from .l2_format import (
     model_name_from_safe,
     parse_name,
     split_model_name,
+    split_stem,
 )
 from .l2_store import QUARANTINE_DIR
+
+try:
+    from . import _walk  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: the Python walker gives the same result
+    _walk = None
 
 NIXL_SUFFIX = ".bin"
 CACHE_SUFFIXES = (SUFFIX, NIXL_SUFFIX)
 CLASSES = ("live", "temp", "quarantine", "unparsable", "foreign")
+LIVE, TEMP, QUARANTINE, UNPARSABLE, FOREIGN = range(len(CLASSES))
+WALKERS = ("auto", "c", "python")
+
+IntArray = npt.NDArray[np.int64]
+
+
 class InventoryError(RuntimeError):
     """The root cannot be inventoried (missing, not a directory, unreadable)."""
 
@@ -93,84 +112,118 @@ class NamespaceUsage:
 
 @dataclass
 class Inventory:
+    """Every file under ``root`` as columns; row ``i`` is file ``i``.
+
+    ``cls[i]`` indexes :data:`CLASSES`; ``model_idx[i]`` indexes ``model_names`` (LMCache model
+    names) for live files and is -1 otherwise; ``dir_idx[i]`` indexes ``dirs``; the name of
+    file ``i`` is ``names[name_end[i-1]:name_end[i]]`` (file-system bytes).
+    """
+
     root: Path
-    files: list[CacheFile]
+    dirs: list[str]
+    model_names: list[str]
+    names: bytes
+    name_end: IntArray
+    cls: npt.NDArray[np.uint8]
+    size: IntArray
+    mtime_ns: IntArray
+    dir_idx: npt.NDArray[np.int32]
+    model_idx: npt.NDArray[np.int32]
     errors: list[str]
     seconds: float
+    walker: str
+
+    def __len__(self) -> int:
+        return int(self.cls.size)
+
+    def name(self, i: int) -> str:
+        start = int(self.name_end[i - 1]) if i else 0
+        return os.fsdecode(self.names[start:int(self.name_end[i])])
+
+    def file(self, i: int) -> CacheFile:
+        i = int(i)
+        m = int(self.model_idx[i])
+        return CacheFile(self.dirs[self.dir_idx[i]], self.name(i), CLASSES[self.cls[i]],
+                         int(self.size[i]), int(self.mtime_ns[i]) / 1e9,
+                         self.model_names[m] if m >= 0 else "")
+
+    @property
+    def files(self) -> list[CacheFile]:
+        """All rows as :class:`CacheFile` (one object per file: for small trees and scrubs)."""
+        return [self.file(i) for i in range(len(self))]
+
+    def of_class(self, cls: int) -> IntArray:
+        """Row numbers of the files of class ``cls`` (an index into CLASSES), in walk order."""
+        return np.flatnonzero(self.cls == cls)
 
     def by_class(self) -> dict[str, tuple[int, int]]:
-        counts = dict.fromkeys(CLASSES, 0)
-        sizes = dict.fromkeys(CLASSES, 0)
-        for f in self.files:
-            counts[f.cls] += 1
-            sizes[f.cls] += f.size
-        return {c: (counts[c], sizes[c]) for c in CLASSES}
+        counts = np.bincount(self.cls, minlength=len(CLASSES))
+        sizes = np.zeros(len(CLASSES), np.int64)
+        np.add.at(sizes, self.cls, self.size)
+        return {c: (int(counts[k]), int(sizes[k])) for k, c in enumerate(CLASSES)}
+
+    def namespace_index(self) -> tuple[list[str], npt.NDArray[np.int32]]:
+        """(namespaces, per-model index into them): '' for model names without a namespace."""
+        names: list[str] = []
+        where: dict[str, int] = {}
+        of_model = np.empty(len(self.model_names), np.int32)
+        for m, model_name in enumerate(self.model_names):
+            ns = split_model_name(model_name)[0]
+            of_model[m] = where.setdefault(ns, len(names))
+            if of_model[m] == len(names):
+                names.append(ns)
+        return names, of_model
 
     def namespaces(self) -> dict[str, NamespaceUsage]:
-        per_model: dict[str, list[float]] = {}  # model name → [files, bytes, last access]
-        for f in self.files:
-            if f.cls != "live":
-                continue
-            acc = per_model.get(f.model_name)
-            if acc is None:
-                per_model[f.model_name] = [1, f.size, f.mtime]
-            else:
-                acc[0] += 1
-                acc[1] += f.size
-                if f.mtime > acc[2]:
-                    acc[2] = f.mtime
+        live = self.model_idx >= 0
+        models = self.model_idx[live]
+        k = len(self.model_names)
+        files = np.bincount(models, minlength=k)
+        nbytes = np.zeros(k, np.int64)
+        np.add.at(nbytes, models, self.size[live])
+        last = np.zeros(k, np.int64)
+        np.maximum.at(last, models, self.mtime_ns[live])
         out: dict[str, NamespaceUsage] = {}
-        for model_name, (files, nbytes, last) in per_model.items():
+        for m, model_name in enumerate(self.model_names):
             ns, model_id = split_model_name(model_name)
             usage = out.setdefault(ns or "(no namespace)", NamespaceUsage(ns or "(no namespace)"))
             usage.model_ids.add(model_id)
-            usage.files += int(files)
-            usage.bytes += int(nbytes)
-            usage.last_access = max(usage.last_access, last)
+            usage.files += int(files[m])
+            usage.bytes += int(nbytes[m])
+            usage.last_access = max(usage.last_access, int(last[m]) / 1e9)
         return out
 
     @property
     def cache_bytes(self) -> int:
         """Bytes of every KV file the cache tier owns (live + temp + quarantine)."""
-        return sum(f.size for f in self.files if f.cls in ("live", "temp", "quarantine"))
+        return int(self.size[self.cls <= QUARANTINE].sum())
 
 
 def classify(name: str, in_quarantine: bool) -> tuple[str, str]:
     """(class, LMCache model name for live files) of a file name."""
+    kind, safe_model = _classify(name, in_quarantine)
+    return CLASSES[kind], model_name_from_safe(safe_model) if safe_model else ""
+
+
+def _classify(name: str, in_quarantine: bool) -> tuple[int, str]:
+    """(index into CLASSES, safe model name for live files); the C walker's ``classify_name``."""
     if in_quarantine:
-        return "quarantine", ""
+        return QUARANTINE, ""
     if TMP_MARK in name and SUFFIX in name:
-        return "temp", ""
+        return TEMP, ""
     if name.endswith(CACHE_SUFFIXES):
-        model_name = _live_model_name(name)
-        return ("unparsable", "") if model_name is None else ("live", model_name)
-    return "foreign", ""
+        fields = split_stem(name[:-4])  # both suffixes have four characters
+        return (UNPARSABLE, "") if fields is None else (LIVE, fields[0])
+    return FOREIGN, ""
 
 
-def _live_model_name(name: str) -> str | None:
-    """The LMCache model name if ``name`` has the shape of ``l2_format.format_name`` (or of a
-    nixl_store_dynamic ``.bin`` name), else None.  Cheaper than a full parse (no key object),
-    which matters once per file in a million-file inventory."""
-    stem = name[:-4]  # both suffixes have four characters
-    if "@" in stem:
-        stem, _, salt = stem.partition("@")
-        if not salt or "@" in salt:
-            return None
-    parts = stem.rsplit("_", 3)
-    if len(parts) != 4 or not parts[0] or len(parts[1]) != 8:
-        return None
-    try:
-        int(parts[1], 16)
-        int(parts[2], 16)
-        bytes.fromhex(parts[3])
-    except ValueError:
-        return None
-    return model_name_from_safe(parts[0])
+def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None = None,
+                    walker: str = "auto") -> Inventory:
+    """Inventory ``root``; raises InventoryError if it cannot be read at all.
 
-
-def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None = None
-                    ) -> Inventory:
-    """Inventory ``root``; raises InventoryError if it cannot be read at all."""
+    ``walker``: ``auto`` (C when built, else Python), ``c`` or ``python``; also settable with
+    ``KVP_WALKER`` for ``auto``.
+    """
     base = Path(root)
     if not base.exists():
         raise InventoryError(f"cache root {base} does not exist; check KVP_CACHE_ROOT")
@@ -178,42 +231,91 @@ def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None 
         raise InventoryError(f"cache root {base} is not a directory (symlinks are not followed)")
     if not os.access(base, os.R_OK | os.X_OK):
         raise InventoryError(f"cache root {base} is not readable; run as the cache's owner")
+    if walker == "auto":
+        walker = os.environ.get("KVP_WALKER", "auto")
+    if walker not in WALKERS:
+        raise InventoryError(f"unknown walker {walker!r}; one of {', '.join(WALKERS)}")
+    if walker == "c" and _walk is None:
+        raise InventoryError("the C walker kvpersist._walk is not built; run scripts/bootstrap.sh")
+    use_c = walker == "c" or (walker == "auto" and _walk is not None)
     began = time.monotonic()
+    cols = _walk.scan(str(base), progress) if use_c else _python_scan(str(base), progress)
+    dirs, safe_models, names, name_end, cls, size, mtime_ns, dir_idx, model_idx, errors = cols
+    return Inventory(
+        base, dirs, [model_name_from_safe(m) for m in safe_models], names,
+        np.frombuffer(name_end, np.int64), np.frombuffer(cls, np.uint8),
+        np.frombuffer(size, np.int64), np.frombuffer(mtime_ns, np.int64),
+        np.frombuffer(dir_idx, np.int32), np.frombuffer(model_idx, np.int32),
+        errors, time.monotonic() - began, "c" if use_c else "python")
+
+
+def _python_scan(root: str, progress: Callable[[int], None] | None) -> tuple[Any, ...]:
+    """The pure-Python walker: the same columns as ``_walk.scan``, in the same order."""
+    dirs: list[str] = []
+    models: dict[str, int] = {}
+    names = bytearray()
+    name_end: list[int] = []
+    cls: list[int] = []
+    sizes: list[int] = []
+    mtimes: list[int] = []
+    dir_idx: list[int] = []
+    model_idx: list[int] = []
     errors: list[str] = []
-    files: list[CacheFile] = []
-    append = files.append
     is_reg, is_lnk = stat.S_ISREG, stat.S_ISLNK
-    stack: list[tuple[str, bool]] = [(str(base), False)]
+    stack: list[tuple[str, bool]] = []
     count = 0
-    while stack:
-        directory, in_q = stack.pop()
+
+    def add(name: str, kind: int, size: int, mtime_ns: int, d: int, model: int) -> None:
+        names.extend(os.fsencode(name))
+        name_end.append(len(names))
+        cls.append(kind)
+        sizes.append(size)
+        mtimes.append(mtime_ns)
+        dir_idx.append(d)
+        model_idx.append(model)
+
+    directory, in_q, is_root = root, False, True
+    while True:
         try:
-            it = os.scandir(directory)
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             errors.append(f"cannot read directory {directory}: {exc.strerror}")
-            continue
-        with it:
-            for entry in it:
-                name = entry.name
-                try:
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append((entry.path, in_q or (directory == str(base)
-                                                           and name == QUARANTINE_DIR)))
-                        continue
-                    st = entry.stat(follow_symlinks=False)
-                except OSError as exc:
-                    errors.append(f"cannot stat {entry.path}: {exc.strerror}")
-                    continue
-                mode = st.st_mode
-                if is_lnk(mode) or not is_reg(mode):
-                    append(CacheFile(directory, name, "foreign", 0, st.st_mtime))
-                    continue
-                kind, model_name = classify(name, in_q)
-                append(CacheFile(directory, name, kind, st.st_size, st.st_mtime, model_name))
-                count += 1
-                if progress is not None and count % 10000 == 0:
-                    progress(count)
-    return Inventory(base, files, errors, time.monotonic() - began)
+            fd = -1
+        if fd >= 0:
+            dirs.append(directory)
+            d = len(dirs) - 1
+            try:
+                with os.scandir(fd) as it:
+                    for entry in it:
+                        name = entry.name
+                        path = os.path.join(directory, name)
+                        try:
+                            if entry.is_dir(follow_symlinks=False):
+                                stack.append((path, in_q or (is_root and name == QUARANTINE_DIR)))
+                                continue
+                            st = entry.stat(follow_symlinks=False)
+                        except OSError as exc:
+                            errors.append(f"cannot stat {path}: {exc.strerror}")
+                            continue
+                        mode = st.st_mode
+                        if is_lnk(mode) or not is_reg(mode):
+                            add(name, FOREIGN, 0, st.st_mtime_ns, d, -1)
+                            continue
+                        kind, safe_model = _classify(name, in_q)
+                        model = models.setdefault(safe_model, len(models)) if kind == LIVE else -1
+                        add(name, kind, st.st_size, st.st_mtime_ns, d, model)
+                        count += 1
+                        if progress is not None and count % 10000 == 0:
+                            progress(count)
+            finally:
+                os.close(fd)
+        if not stack:
+            break
+        directory, in_q = stack.pop()
+        is_root = False
+    return (dirs, list(models), bytes(names), np.array(name_end, np.int64).tobytes(),
+            bytes(cls), np.array(sizes, np.int64).tobytes(), np.array(mtimes, np.int64).tobytes(),
+            np.array(dir_idx, np.int32).tobytes(), np.array(model_idx, np.int32).tobytes(), errors)
 
 
 def stderr_progress(label: str) -> Callable[[int], None] | None:

@@ -92,25 +92,39 @@ def model_name_from_safe(safe_model: str) -> str:
     return safe_model.replace("--", "/")
 
 
+_HEX_DIGITS = "0123456789abcdefABCDEF"
+
+
+def split_stem(stem: str) -> tuple[str, str, str, str, str] | None:
+    """(safe model, rank hex, group hex, hash hex, salt) of a cache file name without its suffix
+    (".kvp", or nixl_store_dynamic's ".bin"), or None if it does not have the shape
+    ``<model>_<8 hex>_<hex>_<even-length hex>[@<salt>]`` (model and salt without "@", salt not
+    empty).  The C walker (``_walk.c``, ``live_model_len``) accepts exactly the same names."""
+    salt = ""
+    if "@" in stem:
+        stem, _, salt = stem.partition("@")
+        if not salt or "@" in salt:
+            return None
+    parts = stem.rsplit("_", 3)
+    if len(parts) != 4:
+        return None
+    model, rank, group, hash_hex = parts
+    if (not model or len(rank) != 8 or not group or len(hash_hex) % 2
+            or rank.strip(_HEX_DIGITS) or group.strip(_HEX_DIGITS) or hash_hex.strip(_HEX_DIGITS)):
+        return None
+    return model, rank, group, hash_hex, salt
+
+
 def parse_name(name: str) -> KeyFields:
     """Invert :func:`format_name`; raises FormatError for anything else (temp files too)."""
     if not name.endswith(SUFFIX) or TMP_MARK in name:
         raise FormatError("not-a-cache-file", name)
-    stem = name[: -len(SUFFIX)]
-    salt = ""
-    if "@" in stem:
-        stem, salt = stem.split("@", 1)
-        if not salt or "@" in salt:
-            raise FormatError("bad-name", name)
-    parts = stem.rsplit("_", 3)
-    if len(parts) != 4 or not parts[0] or len(parts[1]) != 8:
+    fields = split_stem(name[: -len(SUFFIX)])
+    if fields is None:
         raise FormatError("bad-name", name)
-    safe_model, rank_hex, group_hex, hash_hex = parts
-    try:
-        return KeyFields(model_name_from_safe(safe_model), int(rank_hex, 16), int(group_hex, 16),
-                         bytes.fromhex(hash_hex), salt)
-    except ValueError:
-        raise FormatError("bad-name", name) from None
+    model, rank, group, hash_hex, salt = fields
+    return KeyFields(model_name_from_safe(model), int(rank, 16), int(group, 16),
+                     bytes.fromhex(hash_hex), salt)
 
 
 def shard_dirs(chunk_hash: bytes) -> tuple[str, str]:

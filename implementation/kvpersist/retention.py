@@ -11,17 +11,26 @@ Invariants
 * Only ``temp``, ``quarantine`` and ``live`` files are ever planned; ``unparsable`` files only
   when asked; ``foreign`` files and anything outside the root never.
 * Temp files younger than ``min_temp_age_s`` are skipped: they may be a store in progress.
+* A plan is rows of its inventory (numpy arrays), so planning a million files makes no Python
+  object per file; :attr:`CleanupPlan.items` builds them on demand (for ``--apply`` and ``--json``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from .inventory import CacheFile, Inventory
+import numpy as np
+import numpy.typing as npt
+
+from .inventory import FOREIGN, LIVE, QUARANTINE, TEMP, UNPARSABLE, CacheFile, Inventory
 
 CLASS_ORDER = ("temp", "quarantine", "unparsable", "inactive", "over-quota", "lru-active")
+_REASON = {r: k for k, r in enumerate(CLASS_ORDER)}
+
+Rows = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -32,30 +41,64 @@ class PlanItem:
 
 @dataclass
 class CleanupPlan:
-    items: list[PlanItem]
+    """``rows[k]`` (a row of ``inventory``) is removed k-th, for ``CLASS_ORDER[reasons[k]]``."""
+
+    inventory: Inventory
+    rows: Rows
+    reasons: npt.NDArray[np.uint8]
     start_bytes: int
     target_bytes: int | None
     skipped_young_temp: int = 0
     notes: list[str] = field(default_factory=list)
 
+    def __len__(self) -> int:
+        return int(self.rows.size)
+
+    @cached_property
+    def items(self) -> list[PlanItem]:
+        inv = self.inventory
+        return [PlanItem(inv.file(r), CLASS_ORDER[c])
+                for r, c in zip(self.rows.tolist(), self.reasons.tolist(), strict=True)]
+
     @property
     def planned_bytes(self) -> int:
-        return sum(i.file.size for i in self.items)
+        return int(self.inventory.size[self.rows].sum())
 
     @property
     def end_bytes(self) -> int:
         return self.start_bytes - self.planned_bytes
 
     def bytes_by_reason(self) -> dict[str, tuple[int, int]]:
-        out: dict[str, tuple[int, int]] = {}
-        for item in self.items:
-            n, b = out.get(item.reason, (0, 0))
-            out[item.reason] = (n + 1, b + item.file.size)
-        return {r: out[r] for r in CLASS_ORDER if r in out}
+        counts = np.bincount(self.reasons, minlength=len(CLASS_ORDER))
+        sizes = np.zeros(len(CLASS_ORDER), np.int64)
+        np.add.at(sizes, self.reasons, self.inventory.size[self.rows])
+        return {r: (int(counts[k]), int(sizes[k])) for k, r in enumerate(CLASS_ORDER) if counts[k]}
 
 
-def _oldest_first(files: Iterable[CacheFile]) -> list[CacheFile]:
-    return sorted(files, key=lambda f: (f.mtime, f.dir, f.name))
+def oldest_first(inv: Inventory, rows: Rows, groups: npt.NDArray[np.int32] | None = None) -> Rows:
+    """``rows`` sorted by (group, mtime, directory, name): oldest first within each group, ties
+    broken on the path so that the order never depends on the walk.  Only the rows that tie on
+    (group, mtime) are compared by path (in Python)."""
+    if rows.size < 2:
+        return rows
+    mtime = inv.mtime_ns[rows]
+    order = np.lexsort((mtime,) if groups is None else (mtime, groups))
+    rows, mtime = rows[order], mtime[order]
+    same = mtime[1:] == mtime[:-1]
+    if groups is not None:
+        groups = groups[order]
+        same &= groups[1:] == groups[:-1]
+    if not same.any():
+        return rows
+    tied = np.zeros(rows.size, bool)
+    tied[1:] |= same
+    tied[:-1] |= same
+    where = np.flatnonzero(tied)
+    paths = [(inv.dirs[inv.dir_idx[r]], inv.name(int(r))) for r in rows[where]]
+    rank = np.zeros(rows.size, np.int64)
+    rank[where[sorted(range(len(paths)), key=paths.__getitem__)]] = np.arange(1, len(paths) + 1)
+    ordered: Rows = rows[np.lexsort((rank, mtime) if groups is None else (rank, mtime, groups))]
+    return ordered
 
 
 def plan_cleanup(
@@ -69,61 +112,61 @@ def plan_cleanup(
     min_temp_age_s: float = 300.0,
     now: float | None = None,
 ) -> CleanupPlan:
+    inv = inventory
     now = time.time() if now is None else now
     quotas = quotas or {}
-    start = inventory.cache_bytes + (
-        sum(f.size for f in inventory.files if f.cls == "unparsable") if include_unparsable else 0)
-    plan = CleanupPlan([], start, target_bytes)
-    remaining = start
+    start = inv.cache_bytes + (int(inv.size[inv.cls == UNPARSABLE].sum()) if include_unparsable else 0)
+    parts: list[tuple[Rows, str]] = []
 
-    def done() -> bool:
-        return target_bytes is not None and remaining <= target_bytes
-
-    def take(files: Iterable[CacheFile], reason: str) -> None:
-        nonlocal remaining
-        for f in files:
-            if done():
-                return
-            plan.items.append(PlanItem(f, reason))
-            remaining -= f.size
-
-    def selected(ns: str) -> bool:
-        return only_namespaces is None or ns in only_namespaces
-
-    temps = [f for f in inventory.files if f.cls == "temp"]
-    old_temps = [f for f in temps if now - f.mtime >= min_temp_age_s]
-    plan.skipped_young_temp = len(temps) - len(old_temps)
+    temps = inv.of_class(TEMP)
+    old_temps = temps[inv.mtime_ns[temps] <= int((now - min_temp_age_s) * 1e9)]
+    skipped_young = int(temps.size - old_temps.size)
     if only_namespaces is None:
-        take(_oldest_first(old_temps), "temp")
-        take(_oldest_first(f for f in inventory.files if f.cls == "quarantine"), "quarantine")
+        parts.append((oldest_first(inv, old_temps), "temp"))
+        parts.append((oldest_first(inv, inv.of_class(QUARANTINE)), "quarantine"))
         if include_unparsable:
-            take(_oldest_first(f for f in inventory.files if f.cls == "unparsable"), "unparsable")
+            parts.append((oldest_first(inv, inv.of_class(UNPARSABLE)), "unparsable"))
 
-    live = [f for f in inventory.files if f.cls == "live" and selected(f.namespace)]
-    by_ns: dict[str, list[CacheFile]] = {}
-    for f in live:
-        by_ns.setdefault(f.namespace, []).append(f)
-    inactive = sorted((ns for ns in by_ns if ns not in active),
-                      key=lambda ns: (max(f.mtime for f in by_ns[ns]), ns))
+    # Live rows grouped by namespace, oldest first within each.
+    ns_names, ns_of_model = inv.namespace_index()
+    live = inv.of_class(LIVE)
+    if only_namespaces is not None:
+        keep = np.array([ns in only_namespaces for ns in ns_names], bool)
+        live = live[keep[ns_of_model[inv.model_idx[live]]]]
+    live = oldest_first(inv, live, ns_of_model[inv.model_idx[live]])
+    group = ns_of_model[inv.model_idx[live]]
+    bounds = np.searchsorted(group, np.arange(len(ns_names) + 1))
+    runs = {ns_names[g]: live[bounds[g]:bounds[g + 1]] for g in range(len(ns_names))
+            if bounds[g + 1] > bounds[g]}
+
+    inactive = sorted((ns for ns in runs if ns not in active),
+                      key=lambda ns: (int(inv.mtime_ns[runs[ns][-1]]), ns))
     for ns in inactive:
-        take(_oldest_first(by_ns[ns]), "inactive")
+        parts.append((runs[ns], "inactive"))
 
-    for ns in sorted(n for n in by_ns if n in active and n in quotas):
-        excess = sum(f.size for f in by_ns[ns]) - quotas[ns]
-        if excess <= 0:
-            continue
-        chosen: list[CacheFile] = []
-        for f in _oldest_first(by_ns[ns]):
-            if excess <= 0:
-                break
-            chosen.append(f)
-            excess -= f.size
-        take(chosen, "over-quota")
+    tails: list[Rows] = []
+    for ns in sorted(n for n in runs if n in active):
+        rows = runs[ns]
+        excess = int(inv.size[rows].sum()) - quotas.get(ns, 1 << 62)
+        chosen = 0
+        if excess > 0:
+            chosen = int(np.searchsorted(np.cumsum(inv.size[rows]), excess)) + 1
+            parts.append((rows[:chosen], "over-quota"))
+        tails.append(rows[chosen:])
 
+    notes: list[str] = []
+    if target_bytes is not None and tails:
+        parts.append((oldest_first(inv, np.concatenate(tails)), "lru-active"))
+
+    rows = np.concatenate([p for p, _ in parts]) if parts else np.zeros(0, np.int64)
+    reasons = np.concatenate([np.full(p.size, _REASON[r], np.uint8) for p, r in parts]) \
+        if parts else np.zeros(0, np.uint8)
     if target_bytes is not None:
-        planned = {id(i.file) for i in plan.items}
-        tail = [f for ns in by_ns if ns in active for f in by_ns[ns] if id(f) not in planned]
-        take(_oldest_first(tail), "lru-active")
-        if not done():
-            plan.notes.append("the target cannot be reached with what may be removed")
-    return plan
+        sizes = inv.size[rows]
+        before = start - (np.cumsum(sizes) - sizes)  # bytes left before each row is removed
+        n = int(np.count_nonzero(before > target_bytes))  # a prefix: `before` never grows
+        rows, reasons = rows[:n], reasons[:n]
+        if start - int(sizes[:n].sum()) > target_bytes:
+            notes.append("the target cannot be reached with what may be removed")
+    assert not (inv.cls[rows] == FOREIGN).any(), "foreign files are never planned"
+    return CleanupPlan(inv, rows.astype(np.int64), reasons, start, target_bytes, skipped_young, notes)

@@ -1,0 +1,420 @@
+/*
+ * kvpersist._walk: the inventory walk of a cache root in C (see inventory.py for the contract).
+ *
+ * One lstat-class syscall (fstatat with AT_SYMLINK_NOFOLLOW) per entry and no Python object per
+ * file: the result is a set of columns (raw native arrays in bytes objects) that inventory.py
+ * wraps with numpy.  The pure-Python walker in inventory.py implements the same contract and the
+ * tests check that both give identical inventories.
+ *
+ * Invariants (shared with inventory.py):
+ *   - Nothing is opened for reading except directories, opened with O_NOFOLLOW; symlinks are never
+ *     followed, a symlink or any non-regular file is class FOREIGN with size 0.
+ *   - Each regular file falls in exactly one class, decided by classify_name() below, which must
+ *     agree with inventory.classify() byte for byte.
+ *   - A directory or file that cannot be read adds one error line and the walk goes on.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Index into inventory.CLASSES. */
+enum { CLS_LIVE = 0, CLS_TEMP = 1, CLS_QUARANTINE = 2, CLS_UNPARSABLE = 3, CLS_FOREIGN = 4 };
+
+typedef struct {
+    char *data;
+    size_t len;
+    size_t cap;
+} Buf;
+
+static int buf_add(Buf *b, const void *src, size_t n) {
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n) cap *= 2;
+        char *p = realloc(b->data, cap);
+        if (p == NULL) return -1;
+        b->data = p;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, src, n);
+    b->len += n;
+    return 0;
+}
+
+static int is_hex(char c) {
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+}
+
+static int all_hex(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!is_hex(s[i])) return 0;
+    return 1;
+}
+
+static int ends_with(const char *s, size_t n, const char *suffix) {
+    size_t k = strlen(suffix);
+    return n >= k && memcmp(s + n - k, suffix, k) == 0;
+}
+
+/*
+ * Length of the safe model name of a live cache file name, or 0 if the name does not have the
+ * shape <model>_<8 hex>_<hex>_<even hex>[@<salt>] followed by ".kvp" or ".bin" (l2_format.split_stem).
+ */
+static size_t live_model_len(const char *name, size_t n) {
+    size_t stem = n - 4; /* both suffixes have four characters */
+    const char *at = memchr(name, '@', stem);
+    if (at != NULL) {
+        size_t salt_len = stem - (size_t)(at - name) - 1;
+        if (salt_len == 0 || memchr(at + 1, '@', salt_len) != NULL) return 0;
+        stem = (size_t)(at - name);
+    }
+    size_t pos[3];
+    int found = 0;
+    for (size_t i = stem; i > 0 && found < 3; i--)
+        if (name[i - 1] == '_') pos[found++] = i - 1;
+    if (found < 3) return 0;
+    size_t u3 = pos[0], u2 = pos[1], u1 = pos[2];
+    size_t hash_len = stem - u3 - 1, group_len = u3 - u2 - 1, rank_len = u2 - u1 - 1;
+    if (u1 == 0 || rank_len != 8 || group_len == 0 || hash_len % 2 != 0) return 0;
+    if (!all_hex(name + u1 + 1, rank_len) || !all_hex(name + u2 + 1, group_len) ||
+        !all_hex(name + u3 + 1, hash_len))
+        return 0;
+    return u1;
+}
+
+static int contains(const char *s, size_t n, const char *needle) {
+    size_t k = strlen(needle);
+    if (k > n) return 0;
+    for (size_t i = 0; i + k <= n; i++)
+        if (s[i] == needle[0] && memcmp(s + i, needle, k) == 0) return 1;
+    return 0;
+}
+
+static int classify_name(const char *name, size_t n, int in_quarantine, size_t *model_len) {
+    *model_len = 0;
+    if (in_quarantine) return CLS_QUARANTINE;
+    if (contains(name, n, ".tmp.") && contains(name, n, ".kvp")) return CLS_TEMP;
+    if (ends_with(name, n, ".kvp") || ends_with(name, n, ".bin")) {
+        *model_len = live_model_len(name, n);
+        return *model_len ? CLS_LIVE : CLS_UNPARSABLE;
+    }
+    return CLS_FOREIGN;
+}
+
+/* ------------------------------------------------------------------ distinct model names */
+
+typedef struct {
+    char **keys;
+    size_t *lens;
+    int32_t *ids;
+    size_t cap;   /* power of two */
+    size_t count;
+    /* The name found last time: consecutive files mostly share a model. */
+    const char *last_key;
+    size_t last_len;
+    int32_t last_id;
+} ModelTable;
+
+static uint64_t hash_bytes(const char *s, size_t n) {
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ULL;
+    return h;
+}
+
+static int table_grow(ModelTable *t) {
+    size_t cap = t->cap ? t->cap * 2 : 64;
+    char **keys = calloc(cap, sizeof(char *));
+    size_t *lens = calloc(cap, sizeof(size_t));
+    int32_t *ids = calloc(cap, sizeof(int32_t));
+    if (!keys || !lens || !ids) {
+        free(keys), free(lens), free(ids);
+        return -1;
+    }
+    for (size_t i = 0; i < t->cap; i++) {
+        if (t->keys[i] == NULL) continue;
+        size_t j = hash_bytes(t->keys[i], t->lens[i]) & (cap - 1);
+        while (keys[j] != NULL) j = (j + 1) & (cap - 1);
+        keys[j] = t->keys[i], lens[j] = t->lens[i], ids[j] = t->ids[i];
+    }
+    free(t->keys), free(t->lens), free(t->ids);
+    t->keys = keys, t->lens = lens, t->ids = ids, t->cap = cap;
+    return 0;
+}
+
+/* The id of model name s[0:n], adding it to `order` (a list of str) when new; -1 on error. */
+static int32_t model_id(ModelTable *t, const char *s, size_t n, PyObject *order) {
+    if (t->last_key != NULL && t->last_len == n && memcmp(t->last_key, s, n) == 0)
+        return t->last_id;
+    if (2 * (t->count + 1) > t->cap && table_grow(t) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t j = hash_bytes(s, n) & (t->cap - 1);
+    while (t->keys[j] != NULL) {
+        if (t->lens[j] == n && memcmp(t->keys[j], s, n) == 0) {
+            t->last_key = t->keys[j], t->last_len = n, t->last_id = t->ids[j];
+            return t->ids[j];
+        }
+        j = (j + 1) & (t->cap - 1);
+    }
+    char *copy = malloc(n ? n : 1);
+    if (copy == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(copy, s, n);
+    PyObject *text = PyUnicode_DecodeFSDefaultAndSize(s, (Py_ssize_t)n);
+    if (text == NULL || PyList_Append(order, text) < 0) {
+        Py_XDECREF(text);
+        free(copy);
+        return -1;
+    }
+    Py_DECREF(text);
+    t->keys[j] = copy, t->lens[j] = n, t->ids[j] = (int32_t)t->count;
+    t->last_key = copy, t->last_len = n, t->last_id = (int32_t)t->count;
+    return (int32_t)t->count++;
+}
+
+static void table_free(ModelTable *t) {
+    for (size_t i = 0; i < t->cap; i++) free(t->keys[i]);
+    free(t->keys), free(t->lens), free(t->ids);
+}
+
+/* ------------------------------------------------------------------ the walk */
+
+typedef struct {
+    char *path;
+    int in_quarantine;
+} Pending;
+
+typedef struct {
+    Buf names, name_end, cls, size, mtime_ns, dir_idx, model_idx;
+    Buf stack; /* of Pending */
+    ModelTable models;
+    PyObject *dirs, *model_names, *errors, *progress;
+    long long regular;
+} Walk;
+
+static int add_error(Walk *w, const char *what, const char *path, int err) {
+    PyObject *p = PyUnicode_DecodeFSDefault(path);
+    if (p == NULL) return -1;
+    PyObject *line = PyUnicode_FromFormat("%s %U: %s", what, p, strerror(err));
+    Py_DECREF(p);
+    if (line == NULL) return -1;
+    int rc = PyList_Append(w->errors, line);
+    Py_DECREF(line);
+    return rc;
+}
+
+static char *join_path(const char *dir, const char *name) {
+    size_t a = strlen(dir), b = strlen(name);
+    int slash = !(a > 0 && dir[a - 1] == '/');
+    char *out = malloc(a + slash + b + 1);
+    if (out == NULL) return NULL;
+    memcpy(out, dir, a);
+    if (slash) out[a] = '/';
+    memcpy(out + a + slash, name, b + 1);
+    return out;
+}
+
+static int push_dir(Walk *w, char *path, int in_quarantine) {
+    Pending p = {path, in_quarantine};
+    if (buf_add(&w->stack, &p, sizeof p) < 0) {
+        free(path);
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static int add_file(Walk *w, const char *name, size_t n, int cls, int64_t size, int64_t mtime_ns,
+                    int32_t dir, int32_t model) {
+    uint8_t c = (uint8_t)cls;
+    int64_t end = (int64_t)(w->names.len + n);
+    if (buf_add(&w->names, name, n) < 0 || buf_add(&w->name_end, &end, sizeof end) < 0 ||
+        buf_add(&w->cls, &c, 1) < 0 || buf_add(&w->size, &size, sizeof size) < 0 ||
+        buf_add(&w->mtime_ns, &mtime_ns, sizeof mtime_ns) < 0 ||
+        buf_add(&w->dir_idx, &dir, sizeof dir) < 0 || buf_add(&w->model_idx, &model, sizeof model) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* Walk one directory; subdirectories are pushed on the stack. -1 with a Python error set. */
+static int walk_dir(Walk *w, const char *path, int in_quarantine, int is_root) {
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    DIR *d = fd < 0 ? NULL : fdopendir(fd);
+    if (d == NULL) {
+        int err = errno;
+        if (fd >= 0) close(fd);
+        return add_error(w, "cannot read directory", path, err);
+    }
+    PyObject *dir_text = PyUnicode_DecodeFSDefault(path);
+    if (dir_text == NULL || PyList_Append(w->dirs, dir_text) < 0) {
+        Py_XDECREF(dir_text);
+        closedir(d);
+        return -1;
+    }
+    Py_DECREF(dir_text);
+    int32_t dir = (int32_t)(PyList_GET_SIZE(w->dirs) - 1);
+    int rc = 0;
+    for (;;) {
+        errno = 0;
+        struct dirent *e = readdir(d);
+        if (e == NULL) {
+            if (errno != 0) rc = add_error(w, "cannot read directory", path, errno);
+            break;
+        }
+        const char *name = e->d_name;
+        if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+        struct stat st;
+        int have_stat = 0;
+        int is_dir = e->d_type == DT_DIR;
+        if (e->d_type == DT_UNKNOWN) {
+            if (fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+                char *full = join_path(path, name);
+                rc = full ? add_error(w, "cannot stat", full, errno) : (PyErr_NoMemory(), -1);
+                free(full);
+                if (rc < 0) break;
+                continue;
+            }
+            have_stat = 1;
+            is_dir = S_ISDIR(st.st_mode);
+        }
+        if (is_dir) {
+            char *full = join_path(path, name);
+            if (full == NULL) {
+                PyErr_NoMemory();
+                rc = -1;
+                break;
+            }
+            int q = in_quarantine || (is_root && strcmp(name, "quarantine") == 0);
+            if ((rc = push_dir(w, full, q)) < 0) break;
+            continue;
+        }
+        if (!have_stat && fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+            char *full = join_path(path, name);
+            rc = full ? add_error(w, "cannot stat", full, errno) : (PyErr_NoMemory(), -1);
+            free(full);
+            if (rc < 0) break;
+            continue;
+        }
+        size_t n = strlen(name);
+        int64_t mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+        if (!S_ISREG(st.st_mode)) {
+            if ((rc = add_file(w, name, n, CLS_FOREIGN, 0, mtime_ns, dir, -1)) < 0) break;
+            continue;
+        }
+        size_t model_len;
+        int cls = classify_name(name, n, in_quarantine, &model_len);
+        int32_t model = -1;
+        if (cls == CLS_LIVE && (model = model_id(&w->models, name, model_len, w->model_names)) < 0) {
+            rc = -1;
+            break;
+        }
+        if ((rc = add_file(w, name, n, cls, (int64_t)st.st_size, mtime_ns, dir, model)) < 0) break;
+        if (++w->regular % 10000 == 0) {
+            if (PyErr_CheckSignals() < 0) {
+                rc = -1;
+                break;
+            }
+            if (w->progress != Py_None) {
+                PyObject *r = PyObject_CallFunction(w->progress, "L", w->regular);
+                if (r == NULL) {
+                    rc = -1;
+                    break;
+                }
+                Py_DECREF(r);
+            }
+        }
+    }
+    closedir(d);
+    return rc;
+}
+
+static PyObject *bytes_of(Buf *b) {
+    return PyBytes_FromStringAndSize(b->data ? b->data : "", (Py_ssize_t)b->len);
+}
+
+PyDoc_STRVAR(scan_doc,
+"scan(root: bytes, progress: Callable[[int], None] | None) -> tuple\n\n"
+"Walk ``root`` (never following symlinks) and return the columns of its inventory:\n"
+"(dirs, model_names, names, name_end, cls, size, mtime_ns, dir_idx, model_idx, errors).\n"
+"``names`` is the concatenation of all file names (file system bytes) and ``name_end`` the\n"
+"int64 end offset of each; ``cls`` is uint8, ``size``/``mtime_ns`` int64, ``dir_idx``/\n"
+"``model_idx`` int32 (model -1 unless live), all in native byte order.  ``model_names`` are\n"
+"the distinct safe model names of live files, as str.");
+
+static PyObject *scan(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *root_obj, *progress = Py_None;
+    if (!PyArg_ParseTuple(args, "O&|O:scan", PyUnicode_FSConverter, &root_obj, &progress))
+        return NULL;
+    Walk w;
+    memset(&w, 0, sizeof w);
+    w.progress = progress;
+    w.dirs = PyList_New(0);
+    w.model_names = PyList_New(0);
+    w.errors = PyList_New(0);
+    PyObject *result = NULL;
+    if (w.dirs == NULL || w.model_names == NULL || w.errors == NULL) goto done;
+    char *root = strdup(PyBytes_AS_STRING(root_obj));
+    if (root == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (walk_dir(&w, root, 0, 1) < 0) {
+        free(root);
+        goto done;
+    }
+    free(root);
+    while (w.stack.len > 0) {
+        w.stack.len -= sizeof(Pending);
+        Pending p;
+        memcpy(&p, w.stack.data + w.stack.len, sizeof p);
+        int rc = walk_dir(&w, p.path, p.in_quarantine, 0);
+        free(p.path);
+        if (rc < 0) goto done;
+    }
+    result = Py_BuildValue("(OONNNNNNNO)", w.dirs, w.model_names, bytes_of(&w.names),
+                           bytes_of(&w.name_end), bytes_of(&w.cls), bytes_of(&w.size),
+                           bytes_of(&w.mtime_ns), bytes_of(&w.dir_idx), bytes_of(&w.model_idx),
+                           w.errors);
+done:
+    while (w.stack.len > 0) {
+        w.stack.len -= sizeof(Pending);
+        Pending p;
+        memcpy(&p, w.stack.data + w.stack.len, sizeof p);
+        free(p.path);
+    }
+    Buf *bufs[] = {&w.names, &w.name_end, &w.cls, &w.size, &w.mtime_ns, &w.dir_idx, &w.model_idx,
+                   &w.stack};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]->data);
+    table_free(&w.models);
+    Py_XDECREF(w.dirs);
+    Py_XDECREF(w.model_names);
+    Py_XDECREF(w.errors);
+    Py_DECREF(root_obj);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"scan", scan, METH_VARARGS, scan_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvpersist._walk",
+    "The inventory walk of a cache root in C (see kvpersist.inventory).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__walk(void) { return PyModule_Create(&module); }

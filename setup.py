@@ -1,0 +1,10 @@
+"""Build of the optional C extension ``kvpersist._walk`` (the metadata lives in pyproject.toml).
+
+``optional=True``: without a C compiler the package still installs and ``kvpersist.inventory``
+falls back to its pure-Python walker (same results, about 3x slower on a million files).
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("kvpersist._walk", ["implementation/kvpersist/_walk.c"],
+                             extra_compile_args=["-O2", "-Wall", "-Wextra"], optional=True)])
