@@ -7,4 +7,5 @@ falls back to its pure-Python walker (same results, about 3x slower on a million
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvpersist._walk", ["implementation/kvpersist/_walk.c"],
-                             extra_compile_args=["-O2", "-Wall", "-Wextra"], optional=True)])
+                             extra_compile_args=["-O2", "-Wall", "-Wextra", "-pthread"],
+                             extra_link_args=["-pthread"], optional=True)])

@@ -1,10 +1,13 @@
 """Benchmark (on demand, never in CI): kvp-admin at scale, against ``du -s`` on the same tree.
 
-Generates N sparse cache files over several namespaces (plus temp and quarantine files), then in
-one run times ``du -s ROOT``, ``kvp-admin report --json`` and ``kvp-admin cleanup --json``
-(dry run), each as a separate process, and prints the ratios.
+Generates N sparse cache files over several namespaces (plus temp and quarantine files), flat
+(the default layout) or sharded under ``ab/cd/`` (``KVP_L2_SHARDED=true``), then times, as separate
+processes taking turns, ``du -s ROOT``, ``kvp-admin report --json`` and ``kvp-admin cleanup``
+(dry run with a target), ``--repeat`` times, and prints each ratio to ``du -s`` of the same round
+and the median ratios.  The issue's target is 1.5x.
 
-    .venv/bin/python benchmarks/bench_admin_scale.py [--files 1000000] [--root DIR] [--keep]
+    .venv/bin/python benchmarks/bench_admin_scale.py [--files 1000000] [--layout flat|sharded]
+        [--root DIR] [--keep] [--repeat 3] [--walker auto|c|python]
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,23 +26,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "implementation"))
 
-from kvpersist.l2_format import HEADER_SIZE, KeyFields, format_name  # noqa: E402
+from kvpersist.l2_format import HEADER_SIZE, KeyFields, format_name, shard_dirs  # noqa: E402
 
 CHUNK = 256 * 1024
 
 
-def generate(root: Path, n: int) -> None:
+def generate(root: Path, n: int, sharded: bool) -> None:
     (root / "quarantine").mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     for i in range(n):
         ns = f"kvp-{i % 13:032x}"
         key = KeyFields(f"org/model-{i % 13}/{ns}", 0x01000100, 0,
                         (i * 2654435761 % 2**64).to_bytes(8, "big") * 4)
-        fd = os.open(root / format_name(key), os.O_WRONLY | os.O_CREAT, 0o600)
+        where = root.joinpath(*shard_dirs(key.chunk_hash)) if sharded else root
+        if sharded:
+            where.mkdir(parents=True, exist_ok=True)
+        path = where / format_name(key)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         os.ftruncate(fd, HEADER_SIZE + CHUNK)
         os.close(fd)
         mtime = 1_700_000_000 + i
-        os.utime(root / format_name(key), (mtime, mtime))
+        os.utime(path, (mtime, mtime))
         if i and i % 250_000 == 0:
             print(f"  generated {i} files ({time.monotonic() - began:.0f}s)", flush=True)
     for j in range(100):
@@ -55,32 +63,44 @@ def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", type=int, default=1_000_000)
+    parser.add_argument("--layout", choices=("flat", "sharded"), default="flat")
     parser.add_argument("--root", help="where to build the tree (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the tree (reused next time)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of du/report/cleanup")
+    parser.add_argument("--walker", choices=("auto", "c", "python"), default="auto",
+                        help="kvp-admin's inventory walker (KVP_WALKER)")
     args = parser.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="kvp-admin-scale-"))
     root.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, KVP_CACHE_ROOT=str(root), KVP_HTTP_PORT="9",
+    env = dict(os.environ, KVP_CACHE_ROOT=str(root), KVP_HTTP_PORT="9", KVP_WALKER=args.walker,
                KVP_CACHE_BUDGET_GB="1500", PYTHONPATH=str(REPO / "implementation"))
     py = sys.executable
+    active = "kvp-" + "0" * 31 + "1"
     try:
-        if any(root.glob("*.kvp")):
+        if any(root.glob("*.kvp")) or any(root.glob("??/??/*.kvp")):
             print(f"reusing the tree in {root}")
         else:
-            print(f"generating {args.files} sparse files in {root}")
-            generate(root, args.files)
+            print(f"generating {args.files} sparse files ({args.layout}) in {root}")
+            generate(root, args.files, args.layout == "sharded")
         subprocess.run(["du", "-s", str(root)], check=True, capture_output=True)  # warm caches
-        du_s, _ = timed(["du", "-s", str(root)], env)
-        report_s, out = timed([py, "-m", "kvpersist.cli", "report", "--json",
-                               "--active", "kvp-" + "0" * 31 + "1"], env)
-        files = sum(r["files"] for r in json.loads(out)["namespaces"])
-        plan_s, out = timed([py, "-m", "kvpersist.cli", "cleanup",
-                             "--active", "kvp-" + "0" * 31 + "1", "--target-gb", "100"], env)
-        planned = out.splitlines()[0]
-        print(f"du -s                      : {du_s:.2f}s")
-        print(f"kvp-admin report --json    : {report_s:.2f}s ({report_s / du_s:.2f}x du), "
-              f"{files} live files")
-        print(f"kvp-admin cleanup (dry run): {plan_s:.2f}s ({plan_s / du_s:.2f}x du): {planned}")
+        ratios: dict[str, list[float]] = {"report": [], "cleanup": []}
+        for rnd in range(1, args.repeat + 1):
+            du_s, _ = timed(["du", "-s", str(root)], env)
+            report_s, out = timed([py, "-m", "kvpersist.cli", "report", "--json", "--active", active],
+                                  env)
+            data = json.loads(out)
+            files = sum(r["files"] for r in data["namespaces"])
+            plan_s, out = timed([py, "-m", "kvpersist.cli", "cleanup", "--active", active,
+                                 "--target-gb", "100"], env)
+            ratios["report"].append(report_s / du_s)
+            ratios["cleanup"].append(plan_s / du_s)
+            print(f"round {rnd}: du -s {du_s:.2f}s | report --json {report_s:.2f}s "
+                  f"({report_s / du_s:.2f}x, {files} live files, scan {data['scan_seconds']:.2f}s) | "
+                  f"cleanup dry run {plan_s:.2f}s ({plan_s / du_s:.2f}x)", flush=True)
+        print(f"cleanup said: {out.splitlines()[0]}")
+        print(f"median ratio to du -s ({args.layout}, {args.walker} walker): "
+              f"report {statistics.median(ratios['report']):.2f}x, "
+              f"cleanup dry run {statistics.median(ratios['cleanup']):.2f}x (target 1.5x)")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -19,6 +19,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -189,17 +190,53 @@ static void table_free(ModelTable *t) {
 
 /* ------------------------------------------------------------------ the walk */
 
+/*
+ * Directories are read in the calling thread; the entries they hold are collected in a batch and
+ * their fstatat calls, the bulk of the work, run on `threads` threads without the GIL.  The rows
+ * are then added in readdir order, in the calling thread.  A batch is flushed when it holds
+ * BATCH_ENTRIES entries (also in the middle of a large directory) or BATCH_DIRS open directories.
+ */
+#define BATCH_ENTRIES 16384
+#define BATCH_DIRS 256
+#define PARALLEL_MIN 1024 /* fewer entries than this are stat'ed in the calling thread */
+
 typedef struct {
     char *path;
     int in_quarantine;
 } Pending;
 
 typedef struct {
+    DIR *d;
+    char *path;
+    int32_t dir;
+    int in_quarantine;
+} BatchDir;
+
+typedef struct {
+    uint32_t bdir;      /* index into Batch.dirs */
+    unsigned char type; /* d_type */
+    size_t name_off;    /* into Batch.names, NUL-terminated */
+    size_t name_len;
+    int err;            /* errno of fstatat, 0 if it succeeded */
+    mode_t mode;
+    int64_t size;
+    int64_t mtime_ns;
+} Entry;
+
+typedef struct {
+    Buf dirs;    /* of BatchDir */
+    Buf entries; /* of Entry */
+    Buf names;
+} Batch;
+
+typedef struct {
     Buf names, name_end, cls, size, mtime_ns, dir_idx, model_idx;
     Buf stack; /* of Pending */
+    Batch batch;
     ModelTable models;
     PyObject *dirs, *model_names, *errors, *progress;
     long long regular;
+    int threads;
 } Walk;
 
 static int add_error(Walk *w, const char *what, const char *path, int err) {
@@ -226,7 +263,7 @@ static char *join_path(const char *dir, const char *name) {
 
 static int push_dir(Walk *w, char *path, int in_quarantine) {
     Pending p = {path, in_quarantine};
-    if (buf_add(&w->stack, &p, sizeof p) < 0) {
+    if (path == NULL || buf_add(&w->stack, &p, sizeof p) < 0) {
         free(path);
         PyErr_NoMemory();
         return -1;
@@ -248,79 +285,93 @@ static int add_file(Walk *w, const char *name, size_t n, int cls, int64_t size, 
     return 0;
 }
 
-/* Walk one directory; subdirectories are pushed on the stack. -1 with a Python error set. */
-static int walk_dir(Walk *w, const char *path, int in_quarantine, int is_root) {
-    int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    DIR *d = fd < 0 ? NULL : fdopendir(fd);
-    if (d == NULL) {
-        int err = errno;
-        if (fd >= 0) close(fd);
-        return add_error(w, "cannot read directory", path, err);
-    }
-    PyObject *dir_text = PyUnicode_DecodeFSDefault(path);
-    if (dir_text == NULL || PyList_Append(w->dirs, dir_text) < 0) {
-        Py_XDECREF(dir_text);
-        closedir(d);
-        return -1;
-    }
-    Py_DECREF(dir_text);
-    int32_t dir = (int32_t)(PyList_GET_SIZE(w->dirs) - 1);
-    int rc = 0;
-    for (;;) {
-        errno = 0;
-        struct dirent *e = readdir(d);
-        if (e == NULL) {
-            if (errno != 0) rc = add_error(w, "cannot read directory", path, errno);
-            break;
-        }
-        const char *name = e->d_name;
-        if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+typedef struct {
+    Batch *b;
+    size_t begin, end;
+} Slice;
+
+static void *stat_slice(void *arg) {
+    Slice *s = arg;
+    Entry *entries = (Entry *)s->b->entries.data;
+    BatchDir *dirs = (BatchDir *)s->b->dirs.data;
+    for (size_t i = s->begin; i < s->end; i++) {
+        Entry *e = &entries[i];
         struct stat st;
-        int have_stat = 0;
-        int is_dir = e->d_type == DT_DIR;
-        if (e->d_type == DT_UNKNOWN) {
-            if (fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
-                char *full = join_path(path, name);
-                rc = full ? add_error(w, "cannot stat", full, errno) : (PyErr_NoMemory(), -1);
-                free(full);
-                if (rc < 0) break;
-                continue;
-            }
-            have_stat = 1;
-            is_dir = S_ISDIR(st.st_mode);
-        }
-        if (is_dir) {
-            char *full = join_path(path, name);
-            if (full == NULL) {
-                PyErr_NoMemory();
-                rc = -1;
-                break;
-            }
-            int q = in_quarantine || (is_root && strcmp(name, "quarantine") == 0);
-            if ((rc = push_dir(w, full, q)) < 0) break;
+        if (fstatat(dirfd(dirs[e->bdir].d), s->b->names.data + e->name_off, &st,
+                    AT_SYMLINK_NOFOLLOW) < 0) {
+            e->err = errno;
             continue;
         }
-        if (!have_stat && fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
-            char *full = join_path(path, name);
-            rc = full ? add_error(w, "cannot stat", full, errno) : (PyErr_NoMemory(), -1);
+        e->err = 0;
+        e->mode = st.st_mode;
+        e->size = (int64_t)st.st_size;
+        e->mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+    }
+    return NULL;
+}
+
+/* fstatat every entry of the batch, on up to w->threads threads, without the GIL. */
+static void stat_batch(Walk *w) {
+    Batch *b = &w->batch;
+    size_t n = b->entries.len / sizeof(Entry);
+    int threads = n < PARALLEL_MIN ? 1 : w->threads;
+    pthread_t ids[64];
+    Slice slices[64];
+    int started = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int t = 1; t < threads; t++) {
+        slices[t] = (Slice){b, n * (size_t)t / (size_t)threads, n * (size_t)(t + 1) / (size_t)threads};
+        if (pthread_create(&ids[t], NULL, stat_slice, &slices[t]) != 0) break;
+        started = t;
+    }
+    /* The calling thread takes the first slice and every slice no thread could be started for. */
+    slices[0] = (Slice){b, 0, n * 1 / (size_t)threads};
+    stat_slice(&slices[0]);
+    if (started + 1 < threads) {
+        Slice rest = {b, n * (size_t)(started + 1) / (size_t)threads, n};
+        stat_slice(&rest);
+    }
+    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
+    Py_END_ALLOW_THREADS
+}
+
+/*
+ * Stat and record every entry of the batch, then release its directories except the last one
+ * when `keep_last` (a directory still being read).  -1 with a Python error set.
+ */
+static int flush_batch(Walk *w, int keep_last) {
+    Batch *b = &w->batch;
+    size_t n = b->entries.len / sizeof(Entry);
+    BatchDir *dirs = (BatchDir *)b->dirs.data;
+    size_t ndirs = b->dirs.len / sizeof(BatchDir);
+    int rc = 0;
+    if (n > 0) stat_batch(w);
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        Entry *e = &((Entry *)b->entries.data)[i];
+        BatchDir *bd = &dirs[e->bdir];
+        const char *name = b->names.data + e->name_off;
+        if (e->err != 0) {
+            char *full = join_path(bd->path, name);
+            rc = full ? add_error(w, "cannot stat", full, e->err) : (PyErr_NoMemory(), -1);
             free(full);
-            if (rc < 0) break;
             continue;
         }
-        size_t n = strlen(name);
-        int64_t mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
-        if (!S_ISREG(st.st_mode)) {
-            if ((rc = add_file(w, name, n, CLS_FOREIGN, 0, mtime_ns, dir, -1)) < 0) break;
+        if (S_ISDIR(e->mode)) { /* d_type was DT_UNKNOWN */
+            rc = push_dir(w, join_path(bd->path, name), bd->in_quarantine);
+            continue;
+        }
+        if (!S_ISREG(e->mode)) {
+            rc = add_file(w, name, e->name_len, CLS_FOREIGN, 0, e->mtime_ns, bd->dir, -1);
             continue;
         }
         size_t model_len;
-        int cls = classify_name(name, n, in_quarantine, &model_len);
+        int cls = classify_name(name, e->name_len, bd->in_quarantine, &model_len);
         int32_t model = -1;
         if (cls == CLS_LIVE && (model = model_id(&w->models, name, model_len, w->model_names)) < 0) {
             rc = -1;
             break;
         }
-        if ((rc = add_file(w, name, n, cls, (int64_t)st.st_size, mtime_ns, dir, model)) < 0) break;
+        if ((rc = add_file(w, name, e->name_len, cls, e->size, e->mtime_ns, bd->dir, model)) < 0) break;
         if (++w->regular % 10000 == 0) {
             if (PyErr_CheckSignals() < 0) {
                 rc = -1;
@@ -328,16 +379,79 @@ static int walk_dir(Walk *w, const char *path, int in_quarantine, int is_root) {
             }
             if (w->progress != Py_None) {
                 PyObject *r = PyObject_CallFunction(w->progress, "L", w->regular);
-                if (r == NULL) {
-                    rc = -1;
-                    break;
-                }
-                Py_DECREF(r);
+                if (r == NULL) rc = -1;
+                Py_XDECREF(r);
             }
         }
     }
-    closedir(d);
+    b->entries.len = 0;
+    b->names.len = 0;
+    size_t keep = keep_last && ndirs > 0 ? 1 : 0;
+    for (size_t i = 0; i + keep < ndirs; i++) {
+        closedir(dirs[i].d);
+        free(dirs[i].path);
+    }
+    if (keep) {
+        dirs[0] = dirs[ndirs - 1];
+        b->dirs.len = sizeof(BatchDir);
+    } else {
+        b->dirs.len = 0;
+    }
     return rc;
+}
+
+/* Read one directory into the batch; subdirectories go on the stack. -1 with a Python error. */
+static int read_dir(Walk *w, char *path, int in_quarantine, int is_root) {
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    DIR *d = fd < 0 ? NULL : fdopendir(fd);
+    if (d == NULL) {
+        int err = errno;
+        if (fd >= 0) close(fd);
+        int rc = add_error(w, "cannot read directory", path, err);
+        free(path);
+        return rc;
+    }
+    PyObject *dir_text = PyUnicode_DecodeFSDefault(path);
+    if (dir_text == NULL || PyList_Append(w->dirs, dir_text) < 0) {
+        Py_XDECREF(dir_text);
+        closedir(d);
+        free(path);
+        return -1;
+    }
+    Py_DECREF(dir_text);
+    BatchDir bd = {d, path, (int32_t)(PyList_GET_SIZE(w->dirs) - 1), in_quarantine};
+    if (buf_add(&w->batch.dirs, &bd, sizeof bd) < 0) {
+        closedir(d);
+        free(path);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (;;) {
+        errno = 0;
+        struct dirent *e = readdir(d);
+        if (e == NULL) {
+            if (errno != 0 && add_error(w, "cannot read directory", path, errno) < 0) return -1;
+            break;
+        }
+        const char *name = e->d_name;
+        if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+        if (e->d_type == DT_DIR) {
+            int q = in_quarantine || (is_root && strcmp(name, "quarantine") == 0);
+            if (push_dir(w, join_path(path, name), q) < 0) return -1;
+            continue;
+        }
+        size_t n = strlen(name);
+        Entry entry = {(uint32_t)(w->batch.dirs.len / sizeof(BatchDir) - 1), e->d_type,
+                       w->batch.names.len, n, 0, 0, 0, 0};
+        if (buf_add(&w->batch.names, name, n + 1) < 0 ||
+            buf_add(&w->batch.entries, &entry, sizeof entry) < 0) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (w->batch.entries.len / sizeof(Entry) >= BATCH_ENTRIES && flush_batch(w, 1) < 0) return -1;
+    }
+    if (w->batch.dirs.len / sizeof(BatchDir) >= BATCH_DIRS) return flush_batch(w, 0);
+    return 0;
 }
 
 static PyObject *bytes_of(Buf *b) {
@@ -345,21 +459,28 @@ static PyObject *bytes_of(Buf *b) {
 }
 
 PyDoc_STRVAR(scan_doc,
-"scan(root: bytes, progress: Callable[[int], None] | None) -> tuple\n\n"
+"scan(root: str, progress: Callable[[int], None] | None = None, threads: int = 0) -> tuple\n\n"
 "Walk ``root`` (never following symlinks) and return the columns of its inventory:\n"
 "(dirs, model_names, names, name_end, cls, size, mtime_ns, dir_idx, model_idx, errors).\n"
 "``names`` is the concatenation of all file names (file system bytes) and ``name_end`` the\n"
 "int64 end offset of each; ``cls`` is uint8, ``size``/``mtime_ns`` int64, ``dir_idx``/\n"
 "``model_idx`` int32 (model -1 unless live), all in native byte order.  ``model_names`` are\n"
-"the distinct safe model names of live files, as str.");
+"the distinct safe model names of live files, as str.  ``threads`` (0: one per CPU, at most\n"
+"8) run the stat calls; the result does not depend on it.");
 
 static PyObject *scan(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *root_obj, *progress = Py_None;
-    if (!PyArg_ParseTuple(args, "O&|O:scan", PyUnicode_FSConverter, &root_obj, &progress))
+    int threads = 0;
+    if (!PyArg_ParseTuple(args, "O&|Oi:scan", PyUnicode_FSConverter, &root_obj, &progress, &threads))
         return NULL;
+    if (threads <= 0) {
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = cpus < 1 ? 1 : cpus > 8 ? 8 : (int)cpus;
+    }
     Walk w;
     memset(&w, 0, sizeof w);
+    w.threads = threads > 64 ? 64 : threads;
     w.progress = progress;
     w.dirs = PyList_New(0);
     w.model_names = PyList_New(0);
@@ -371,18 +492,16 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if (walk_dir(&w, root, 0, 1) < 0) {
-        free(root);
-        goto done;
-    }
-    free(root);
-    while (w.stack.len > 0) {
+    if (read_dir(&w, root, 0, 1) < 0) goto done;
+    for (;;) {
+        if (w.stack.len == 0) {
+            if (flush_batch(&w, 0) < 0) goto done;
+            if (w.stack.len == 0) break; /* the flush found no directory behind a DT_UNKNOWN */
+        }
         w.stack.len -= sizeof(Pending);
         Pending p;
         memcpy(&p, w.stack.data + w.stack.len, sizeof p);
-        int rc = walk_dir(&w, p.path, p.in_quarantine, 0);
-        free(p.path);
-        if (rc < 0) goto done;
+        if (read_dir(&w, p.path, p.in_quarantine, 0) < 0) goto done;
     }
     result = Py_BuildValue("(OONNNNNNNO)", w.dirs, w.model_names, bytes_of(&w.names),
                            bytes_of(&w.name_end), bytes_of(&w.cls), bytes_of(&w.size),
@@ -395,8 +514,14 @@ done:
         memcpy(&p, w.stack.data + w.stack.len, sizeof p);
         free(p.path);
     }
-    Buf *bufs[] = {&w.names, &w.name_end, &w.cls, &w.size, &w.mtime_ns, &w.dir_idx, &w.model_idx,
-                   &w.stack};
+    for (size_t i = 0; i < w.batch.dirs.len / sizeof(BatchDir); i++) {
+        BatchDir *bd = &((BatchDir *)w.batch.dirs.data)[i];
+        closedir(bd->d);
+        free(bd->path);
+    }
+    Buf *bufs[] = {&w.names,   &w.name_end,     &w.cls,          &w.size,         &w.mtime_ns,
+                   &w.dir_idx, &w.model_idx,    &w.stack,        &w.batch.dirs,   &w.batch.entries,
+                   &w.batch.names};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]->data);
     table_free(&w.models);
     Py_XDECREF(w.dirs);

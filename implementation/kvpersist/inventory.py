@@ -218,11 +218,12 @@ def _classify(name: str, in_quarantine: bool) -> tuple[int, str]:
 
 
 def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None = None,
-                    walker: str = "auto") -> Inventory:
+                    walker: str = "auto", threads: int | None = None) -> Inventory:
     """Inventory ``root``; raises InventoryError if it cannot be read at all.
 
-    ``walker``: ``auto`` (C when built, else Python), ``c`` or ``python``; also settable with
-    ``KVP_WALKER`` for ``auto``.
+    ``walker``: ``auto`` (C when built, else Python), ``c`` or ``python``; ``KVP_WALKER`` sets it
+    for ``auto``.  ``threads``: how many threads the C walker stats files on (default
+    ``KVP_WALK_THREADS``, else one per CPU up to 8); the inventory never depends on it.
     """
     base = Path(root)
     if not base.exists():
@@ -238,8 +239,13 @@ def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None 
     if walker == "c" and _walk is None:
         raise InventoryError("the C walker kvpersist._walk is not built; run scripts/bootstrap.sh")
     use_c = walker == "c" or (walker == "auto" and _walk is not None)
+    if threads is None:
+        try:
+            threads = int(os.environ.get("KVP_WALK_THREADS", "0"))
+        except ValueError:
+            raise InventoryError("KVP_WALK_THREADS must be a whole number (0: one per CPU)") from None
     began = time.monotonic()
-    cols = _walk.scan(str(base), progress) if use_c else _python_scan(str(base), progress)
+    cols = _walk.scan(str(base), progress, threads) if use_c else _python_scan(str(base), progress)
     dirs, safe_models, names, name_end, cls, size, mtime_ns, dir_idx, model_idx, errors = cols
     return Inventory(
         base, dirs, [model_name_from_safe(m) for m in safe_models], names,

@@ -174,13 +174,23 @@ def test_walker_choice(tricky: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         build_inventory(tricky, walker="c")
 
 
-def test_progress_is_reported(tmp_path: Path) -> None:
-    for i in range(20_001):
-        (tmp_path / f"f{i}").touch()
-    for walker in ("c", "python"):
+def test_thread_counts_and_progress(tmp_path: Path) -> None:
+    """Large directories are stat'ed on several threads in batches (also mid-directory); the
+    inventory is the same for any thread count and progress comes every 10,000 files."""
+    for sub, count in (("", 20_001), ("ab", 40), ("ab/cd", 3_000)):
+        (tmp_path / sub).mkdir(exist_ok=True)
+        for i in range(count):
+            name = format_name(KeyFields(f"o/{NS[i % 3]}", 0, 0, i.to_bytes(4, "big")))
+            (tmp_path / sub / (name if i % 7 else f"other-{i}")).write_bytes(b"x" * (i % 5))
+    want = rows(build_inventory(tmp_path, walker="python"))
+    for threads in (1, 2, 5):
         seen: list[int] = []
-        build_inventory(tmp_path, walker=walker, progress=seen.append)
+        inv = build_inventory(tmp_path, walker="c", threads=threads, progress=seen.append)
+        assert rows(inv) == want, threads
         assert seen == [10_000, 20_000]
+    seen = []
+    build_inventory(tmp_path, walker="python", progress=seen.append)
+    assert seen == [10_000, 20_000]
 
 
 # --------------------------------------------------------------------------- plans
