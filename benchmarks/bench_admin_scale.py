@@ -7,7 +7,10 @@ processes taking turns, ``du -s ROOT``, ``kvp-admin report --json`` and ``kvp-ad
 and the median ratios.  The issue's target is 1.5x.
 
     .venv/bin/python benchmarks/bench_admin_scale.py [--files 1000000] [--layout flat|sharded]
-        [--root DIR] [--keep] [--repeat 3] [--walker auto|c|python]
+        [--root DIR] [--keep] [--repeat 3] [--walker auto|c|python] [--apply]
+
+``--apply`` then also times ``kvp-admin cleanup --apply`` down to the same target (it deletes the
+files it plans: a kept tree is smaller afterwards).
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def main() -> int:
     parser.add_argument("--root", help="where to build the tree (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the tree (reused next time)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of du/report/cleanup")
+    parser.add_argument("--apply", action="store_true",
+                        help="finally time cleanup --apply (deletes files of the tree)")
     parser.add_argument("--walker", choices=("auto", "c", "python"), default="auto",
                         help="kvp-admin's inventory walker (KVP_WALKER)")
     args = parser.parse_args()
@@ -78,7 +83,8 @@ def main() -> int:
     active = "kvp-" + "0" * 31 + "1"
     try:
         if any(root.glob("*.kvp")) or any(root.glob("??/??/*.kvp")):
-            print(f"reusing the tree in {root}")
+            args.layout = "flat" if any(root.glob("*.kvp")) else "sharded"
+            print(f"reusing the {args.layout} tree in {root}")
         else:
             print(f"generating {args.files} sparse files ({args.layout}) in {root}")
             generate(root, args.files, args.layout == "sharded")
@@ -101,6 +107,10 @@ def main() -> int:
         print(f"median ratio to du -s ({args.layout}, {args.walker} walker): "
               f"report {statistics.median(ratios['report']):.2f}x, "
               f"cleanup dry run {statistics.median(ratios['cleanup']):.2f}x (target 1.5x)")
+        if args.apply:
+            apply_s, out = timed([py, "-m", "kvpersist.cli", "cleanup", "--apply",
+                                  "--active", active, "--target-gb", "100"], env)
+            print(f"cleanup --apply: {apply_s:.1f}s: {out.splitlines()[-1]}")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

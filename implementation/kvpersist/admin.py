@@ -91,31 +91,37 @@ class CleanupResult:
     vanished: int = 0
 
 
-def _inside(root: Path, path: Path) -> bool:
-    """True if ``path`` names a place under ``root`` without ``..`` and without leaving it
-    through a symlink (``resolve`` follows every link on the way)."""
+def _dir_refusal(root: Path, directory: str) -> str | None:
+    """None if ``directory`` lies under ``root`` and no component between them is a symlink."""
+    path = Path(directory)
     if ".." in path.parts:
-        return False
+        return "outside the cache root"
     try:
         path.resolve(strict=False).relative_to(root.resolve())
     except ValueError:
-        return False
-    return True
-
-
-def safe_to_delete(root: Path, f: CacheFile) -> str | None:
-    """None if ``f`` may be deleted now, else the reason it may not."""
-    if not _inside(root, f.path):
         return "outside the cache root"
+    if any(p.is_symlink() for p in (path, *path.parents) if p.is_relative_to(root)):
+        return "reached through a symlink"
+    return None
+
+
+def safe_to_delete(root: Path, f: CacheFile, dir_cache: dict[str, str | None] | None = None
+                   ) -> str | None:
+    """None if ``f`` may be deleted now, else the reason it may not.  ``dir_cache`` remembers the
+    verdict on each directory across calls (one cleanup), so a million files cost one lstat each."""
+    if "/" in f.name or f.name in ("", ".", ".."):
+        return "outside the cache root"
+    verdicts = {} if dir_cache is None else dir_cache
+    if f.dir not in verdicts:
+        verdicts[f.dir] = _dir_refusal(root, f.dir)
+    if verdicts[f.dir] is not None:
+        return verdicts[f.dir]
     try:
-        st = os.lstat(f.path)
+        st = os.lstat(f.fspath)
     except FileNotFoundError:
         return "vanished"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
         return "not a regular file"
-    parent_ok = all(not p.is_symlink() for p in f.path.parents if p.is_relative_to(root))
-    if not parent_ok:
-        return "reached through a symlink"
     cls, _ = classify(f.name, f.cls == "quarantine")
     if cls != f.cls:
         return f"changed class ({cls})"
@@ -145,23 +151,24 @@ def apply_cleanup(plan: CleanupPlan, root: Path, *, server_url: str | None,
     are then removed directly."""
     result = CleanupResult()
     deletable: list[CacheFile] = []
+    dir_cache: dict[str, str | None] = {}
     for item in plan.items:
-        why = safe_to_delete(root, item.file)
+        why = safe_to_delete(root, item.file, dir_cache)
         if why == "vanished":
             result.vanished += 1
         elif why is not None:
             result.refused.append(f"{item.file.path}: {why}")
         else:
             deletable.append(item.file)
-    live = [f for f in deletable if f.cls == "live" and f.key is not None]
     if server_url is not None:
+        live = [f for f in deletable if f.cls == "live" and f.key is not None]
         for start in range(0, len(live), batch):
             chunk = live[start:start + batch]
             _delete_via_server(server_url, chunk, timeout)
             result.via_server += len(chunk)
     for n, f in enumerate(deletable, 1):
         try:
-            os.unlink(f.path)
+            os.unlink(f.fspath)
         except FileNotFoundError:
             if server_url is None or f.cls != "live":
                 result.vanished += 1

@@ -80,6 +80,11 @@ class CacheFile(NamedTuple):
         return Path(self.dir, self.name)
 
     @property
+    def fspath(self) -> str:
+        """The path as a string (cheaper than :attr:`path` when done a million times)."""
+        return os.path.join(self.dir, self.name)
+
+    @property
     def key(self) -> KeyFields | None:
         """The full object key of a live file (parsed on demand)."""
         if self.cls != "live":

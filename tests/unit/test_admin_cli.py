@@ -115,6 +115,19 @@ def test_safe_to_delete_refuses_escapes(root: Path, tmp_path: Path) -> None:
     assert safe_to_delete(root, escape) == "outside the cache root"
     link = next(p for p in root.iterdir() if p.is_symlink())
     assert safe_to_delete(root, CacheFile.at(link, "live", 7, 0.0)) is not None
+    # A directory on the way that is a symlink: out of the root, or back into it.
+    real = next(p for p in root.glob("*.kvp") if not p.is_symlink())
+    (root / "alias").symlink_to(root)
+    (root / "away").symlink_to(tmp_path)
+    (tmp_path / real.name).write_bytes(b"x")
+    cache: dict[str, str | None] = {}
+    for _ in range(2):  # the second round answers from the per-directory cache
+        assert safe_to_delete(root, CacheFile.at(root / "alias" / real.name, "live", 7, 0.0),
+                              cache) == "reached through a symlink"
+        assert safe_to_delete(root, CacheFile.at(root / "away" / real.name, "live", 7, 0.0),
+                              cache) == "outside the cache root"
+        assert safe_to_delete(root, CacheFile.at(real, "live", 7, 0.0), cache) is None
+    assert len(cache) == 3
 
 
 def test_quota_commands(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
