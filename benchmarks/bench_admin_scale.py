@@ -96,7 +96,7 @@ def main() -> int:
                                   env)
             data = json.loads(out)
             files = sum(r["files"] for r in data["namespaces"])
-            plan_s, out = timed([py, "-m", "kvpersist.cli", "cleanup", "--active", active,
+            plan_s, out = timed([py, "-m", "kvpersist.cli", "cleanup", "--dry-run", "--active", active,
                                  "--target-gb", "100"], env)
             ratios["report"].append(report_s / du_s)
             ratios["cleanup"].append(plan_s / du_s)

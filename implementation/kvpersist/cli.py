@@ -553,7 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
         "runs, live files are deleted through its API so its index stays right.",
     )
     add_active(p)
-    p.add_argument("--apply", action="store_true", help="really delete (default: dry run)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--apply", action="store_true", help="really delete (default: dry run)")
+    mode.add_argument("--dry-run", action="store_true",
+                      help="only print the plan (the default; for scripts that want to say so)")
     p.add_argument("--namespace", action="append", metavar="NS",
                    help="only these namespaces (repeatable); temp/quarantine are then left alone")
     p.add_argument("--target-gb", type=float, help="stop once the cache is at or below this")

@@ -76,6 +76,11 @@ def test_cleanup_dry_run_changes_nothing(root: Path, capsys: pytest.CaptureFixtu
     before = sorted(p.name for p in root.rglob("*"))
     code, out, _ = run(capsys, "cleanup", "--active", NS[2])
     assert code == 0 and "dry run" in out
+    code, explicit, _ = run(capsys, "cleanup", "--dry-run", "--active", NS[2])
+    assert code == 0 and explicit == out
+    assert sorted(p.name for p in root.rglob("*")) == before
+    with pytest.raises(SystemExit):  # argparse: not allowed with --apply
+        run(capsys, "cleanup", "--dry-run", "--apply", "--active", NS[2])
     assert sorted(p.name for p in root.rglob("*")) == before
 
 
