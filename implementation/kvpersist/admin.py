@@ -175,7 +175,7 @@ def apply_cleanup(plan: CleanupPlan, root: Path, *, server_url: str | None,
                 continue
         result.deleted_files += 1
         result.deleted_bytes += f.size
-        if progress is not None and n % 10000 == 0:
+        if progress is not None:
             progress(n)
     return result
 
@@ -216,7 +216,7 @@ def verify_files(root: Path, files: Iterable[CacheFile], *, quarantine: bool,
             ahead = result.bytes_read / max_bytes_per_s - (time.monotonic() - began)
             if ahead > 0:
                 time.sleep(ahead)
-        if progress is not None and result.checked % 1000 == 0:
+        if progress is not None:
             progress(result.checked)
     result.seconds = time.monotonic() - began
     return result

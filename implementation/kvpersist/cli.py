@@ -33,9 +33,11 @@ from .identity import (
     merge_sources,
 )
 from .identity_sources import CONNECTOR_NAME, build_identity, from_model_folder
-from .inventory import Inventory, InventoryError, build_inventory, stderr_progress
+from .inventory import LIVE, Inventory, InventoryError, build_inventory
+from .l2_format import SUFFIX
 from .pidfile import PidFileError
 from .preflight import run_preflight
+from .progress import stderr_progress
 from .retention import plan_cleanup
 from .server import ServerError, server_status, start_server, stop_server
 from .settings import SettingsError, load_settings
@@ -225,7 +227,12 @@ def _quotas_path(args: argparse.Namespace, settings: Any) -> Path:
 
 def _inventory_or_exit(settings: Any, label: str) -> Inventory:
     try:
-        return build_inventory(settings.cache_root, progress=stderr_progress(label))
+        progress = stderr_progress(f"{label}: scanning")
+        try:
+            return build_inventory(settings.cache_root, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
     except InventoryError as exc:
         print(f"kvp-admin {label}: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_ERROR) from None
@@ -349,8 +356,12 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     if args.apply:
         server_up = active_namespaces_from_server(settings.http_url) is not None
         server_url = settings.http_url if server_up else None
-        res = apply_cleanup(plan, settings.cache_root, server_url=server_url,
-                            progress=stderr_progress("cleanup"))
+        progress = stderr_progress("cleanup: deleting", len(plan))
+        try:
+            res = apply_cleanup(plan, settings.cache_root, server_url=server_url, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
         summary.update({"deleted_files": res.deleted_files, "deleted_bytes": res.deleted_bytes,
                         "via_server": res.via_server, "vanished": res.vanished,
                         "refused": res.refused})
@@ -418,8 +429,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     settings = _settings_or_exit()
     inv = _inventory_or_exit(settings, "verify")
     rate = args.max_mb_per_s * 1024**2 if args.max_mb_per_s else None
-    res = verify_files(settings.cache_root, inv.files, quarantine=args.quarantine,
-                       max_bytes_per_s=rate, progress=stderr_progress("verify"))
+    files = [inv.file(i) for i in inv.of_class(LIVE) if inv.name(int(i)).endswith(SUFFIX)]
+    progress = stderr_progress("verify", len(files))
+    try:
+        res = verify_files(settings.cache_root, files, quarantine=args.quarantine,
+                           max_bytes_per_s=rate, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
     if args.json:
         _print_json({"checked": res.checked, "bytes_read": res.bytes_read,
                      "failures": [{"path": p, "reason": r} for p, r in res.failures],

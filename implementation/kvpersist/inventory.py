@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -327,15 +326,3 @@ def _python_scan(root: str, progress: Callable[[int], None] | None) -> tuple[Any
     return (dirs, list(models), bytes(names), np.array(name_end, np.int64).tobytes(),
             bytes(cls), np.array(sizes, np.int64).tobytes(), np.array(mtimes, np.int64).tobytes(),
             np.array(dir_idx, np.int32).tobytes(), np.array(model_idx, np.int32).tobytes(), errors)
-
-
-def stderr_progress(label: str) -> Callable[[int], None] | None:
-    """A progress callback printing ``label: N files`` on a terminal, else None."""
-    if not sys.stderr.isatty():
-        return None
-
-    def report(n: int) -> None:
-        sys.stderr.write(f"\r{label}: {n} files")
-        sys.stderr.flush()
-
-    return report
