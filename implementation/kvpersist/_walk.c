@@ -531,8 +531,101 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ keys of live rows */
+
+static int hex_value(char c) {
+    return c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10;
+}
+
+PyDoc_STRVAR(live_keys_doc,
+"live_keys(names: bytes, name_end: bytes, rows: bytes) -> tuple\n\n"
+"The key fields of live rows (``rows``: int64 row numbers of names that live_model_len accepts):\n"
+"(rank int64, group int64, hashes, hash_end int64, salts, slow).  ``hashes`` concatenates the\n"
+"binary chunk hashes, ``hash_end`` ends each; ``salts`` maps a position in ``rows`` to its salt\n"
+"(str) for salted names only; ``slow`` lists positions whose group does not fit 60 bits (their\n"
+"rank/group are 0: parse those names in Python).");
+
+static PyObject *live_keys(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer names, ends, rows;
+    if (!PyArg_ParseTuple(args, "y*y*y*:live_keys", &names, &ends, &rows)) return NULL;
+    PyObject *result = NULL, *salts = PyDict_New(), *slow = PyList_New(0);
+    Py_ssize_t n = rows.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t nnames = ends.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *row = rows.buf, *end = ends.buf;
+    const char *blob = names.buf;
+    Buf rank = {0}, group = {0}, hashes = {0}, hash_end = {0};
+    if (salts == NULL || slow == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = row[i];
+        if (r < 0 || r >= nnames) {
+            PyErr_SetString(PyExc_IndexError, "row out of range");
+            goto done;
+        }
+        size_t start = r ? (size_t)end[r - 1] : 0;
+        const char *name = blob + start;
+        size_t len = (size_t)end[r] - start;
+        size_t model_len = len >= 4 ? live_model_len(name, len) : 0;
+        if (model_len == 0) {
+            PyErr_Format(PyExc_ValueError, "row %lld is not a live cache file name", (long long)r);
+            goto done;
+        }
+        size_t stem = len - 4;
+        const char *at = memchr(name, '@', stem);
+        size_t head = at ? (size_t)(at - name) : stem;
+        size_t rank_at = model_len + 1, group_at = rank_at + 9;
+        const char *u3 = memchr(name + group_at, '_', head - group_at);
+        size_t group_len = (size_t)(u3 - (name + group_at));
+        size_t hash_at = (size_t)(u3 - name) + 1, hash_len = head - hash_at;
+        int64_t rank_v = 0, group_v = 0;
+        for (size_t k = 0; k < 8; k++) rank_v = rank_v * 16 + hex_value(name[rank_at + k]);
+        if (group_len <= 15) {
+            for (size_t k = 0; k < group_len; k++) group_v = group_v * 16 + hex_value(name[group_at + k]);
+        } else {
+            PyObject *pos = PyLong_FromSsize_t(i);
+            if (pos == NULL || PyList_Append(slow, pos) < 0) {
+                Py_XDECREF(pos);
+                goto done;
+            }
+            Py_DECREF(pos);
+            rank_v = 0;
+        }
+        for (size_t k = 0; k < hash_len; k += 2) {
+            unsigned char byte =
+                (unsigned char)(hex_value(name[hash_at + k]) * 16 + hex_value(name[hash_at + k + 1]));
+            if (buf_add(&hashes, &byte, 1) < 0) goto nomem;
+        }
+        int64_t hend = (int64_t)hashes.len;
+        if (buf_add(&rank, &rank_v, sizeof rank_v) < 0 || buf_add(&group, &group_v, sizeof group_v) < 0 ||
+            buf_add(&hash_end, &hend, sizeof hend) < 0)
+            goto nomem;
+        if (at != NULL) {
+            PyObject *pos = PyLong_FromSsize_t(i);
+            PyObject *salt = PyUnicode_DecodeFSDefaultAndSize(at + 1, (Py_ssize_t)(stem - head - 1));
+            int rc = (pos && salt) ? PyDict_SetItem(salts, pos, salt) : -1;
+            Py_XDECREF(pos);
+            Py_XDECREF(salt);
+            if (rc < 0) goto done;
+        }
+    }
+    result = Py_BuildValue("(NNNNOO)", bytes_of(&rank), bytes_of(&group), bytes_of(&hashes),
+                           bytes_of(&hash_end), salts, slow);
+    goto done;
+nomem:
+    PyErr_NoMemory();
+done:
+    free(rank.data), free(group.data), free(hashes.data), free(hash_end.data);
+    Py_XDECREF(salts);
+    Py_XDECREF(slow);
+    PyBuffer_Release(&names);
+    PyBuffer_Release(&ends);
+    PyBuffer_Release(&rows);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, scan_doc},
+    {"live_keys", live_keys, METH_VARARGS, live_keys_doc},
     {NULL, NULL, 0, NULL},
 };
 

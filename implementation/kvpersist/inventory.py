@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .l2_format import (
+    QUARANTINE_DIR,
     SUFFIX,
     TMP_MARK,
     FormatError,
@@ -40,7 +41,6 @@ from .l2_format import (
     split_model_name,
     split_stem,
 )
-from .l2_store import QUARANTINE_DIR
 
 try:
     from . import _walk  # type: ignore[attr-defined]
@@ -197,10 +197,36 @@ class Inventory:
             usage.last_access = max(usage.last_access, int(last[m]) / 1e9)
         return out
 
+    def keys(self, rows: IntArray) -> list[KeyFields]:
+        """The object keys of live ``rows`` (of ``.kvp`` and ``.bin`` names alike), in order."""
+        if _walk is None:
+            return [_key_of(self.name(int(r)), self.model_names[self.model_idx[r]]) for r in rows]
+        rows = np.ascontiguousarray(rows, np.int64)
+        rank_b, group_b, hashes, hash_end_b, salts, slow = _walk.live_keys(
+            self.names, self.name_end.tobytes(), rows.tobytes())
+        hash_end = np.frombuffer(hash_end_b, np.int64).tolist()
+        starts = [0, *hash_end[:-1]]
+        chunk_hashes = [hashes[a:b] for a, b in zip(starts, hash_end, strict=True)]
+        models = [self.model_names[m] for m in self.model_idx[rows].tolist()]
+        salt_of = [salts.get(i, "") for i in range(len(rows))] if salts else [""] * len(rows)
+        out = list(map(KeyFields, models, np.frombuffer(rank_b, np.int64).tolist(),
+                       np.frombuffer(group_b, np.int64).tolist(), chunk_hashes, salt_of))
+        for i in slow:  # a group id too large for the C parser
+            out[i] = _key_of(self.name(int(rows[i])), models[i])
+        return out
+
     @property
     def cache_bytes(self) -> int:
         """Bytes of every KV file the cache tier owns (live + temp + quarantine)."""
         return int(self.size[self.cls <= QUARANTINE].sum())
+
+
+def _key_of(name: str, model_name: str) -> KeyFields:
+    fields = split_stem(name[:-4])
+    if fields is None:
+        raise FormatError("bad-name", name)
+    _, rank, group, hash_hex, salt = fields
+    return KeyFields(model_name, int(rank, 16), int(group, 16), bytes.fromhex(hash_hex), salt)
 
 
 def classify(name: str, in_quarantine: bool) -> tuple[str, str]:

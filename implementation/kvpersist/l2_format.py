@@ -42,6 +42,7 @@ _DIGEST_SIZE = 16
 _PREFIX = struct.Struct("<8sII")
 SUFFIX = ".kvp"
 TMP_MARK = ".tmp."
+QUARANTINE_DIR = "quarantine"  # directly under the root; never scanned as data
 CHECKSUM_ALGORITHM = "xxh3_128"
 
 

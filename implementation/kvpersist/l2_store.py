@@ -38,8 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from .inventory import LIVE, TEMP, UNPARSABLE, build_inventory
 from .l2_format import (
     HEADER_SIZE,
+    QUARANTINE_DIR,
     SUFFIX,
     TMP_MARK,
     FormatError,
@@ -58,7 +62,6 @@ logger = logging.getLogger("kvpersist.l2")
 
 LOCK_NAME = ".kvpersist.lock"
 _VERIFY_SEGMENT = 1 << 20
-QUARANTINE_DIR = "quarantine"
 KeysCallback = Callable[[list[KeyFields], list[int]], None]
 
 
@@ -210,14 +213,12 @@ class KvFileStore:
     def _scan(self) -> None:
         began = time.monotonic()
         try:
-            found: list[tuple[float, KeyFields, int]] = []
-            for directory in self._data_dirs():
-                found.extend(self._scan_dir(directory))
-            found.sort(key=lambda item: item[0])  # oldest access first = LRU order
+            keys, sizes = self._scan_files()
             batch = 4096
-            for start in range(0, len(found), batch):
-                self._index_add((key, size) for _, key, size in found[start:start + batch])
-            self._scanned_files = len(found)
+            for start in range(0, len(keys), batch):
+                self._index_add(zip(keys[start:start + batch], sizes[start:start + batch],
+                                    strict=True))
+            self._scanned_files = len(keys)
         except Exception as exc:  # keep serving lookups; report the failure
             self._scan_error = f"{type(exc).__name__}: {exc}"
             logger.exception("kvpersist L2 scan of %s failed", self.root)
@@ -227,42 +228,34 @@ class KvFileStore:
             logger.info("kvpersist L2 scan of %s: %d files, %d bytes, %.2fs",
                         self.root, len(self), self.used_bytes, self._scan_seconds)
 
-    def _data_dirs(self) -> Iterable[Path]:
-        yield self.root
-        if not self.sharded:
-            return
-        for first in sorted(os.scandir(self.root), key=lambda e: e.name):
-            if len(first.name) != 2 or not first.is_dir(follow_symlinks=False):
-                continue
-            for second in sorted(os.scandir(first.path), key=lambda e: e.name):
-                if len(second.name) == 2 and second.is_dir(follow_symlinks=False):
-                    yield Path(second.path)
+    def _scan_files(self) -> tuple[list[KeyFields], list[int]]:
+        """(keys, sizes) of the published files in the data directories, least recently used
+        first; temp leftovers there are removed.  The data directories are the root and, when
+        sharded, ``root/xx/yy``; nothing else (``quarantine/``, operator folders) is data.
+        Walked by :mod:`kvpersist.inventory` (its C walker when built)."""
+        inv = build_inventory(self.root)
+        root = str(self.root)
 
-    def _scan_dir(self, directory: Path) -> list[tuple[float, KeyFields, int]]:
-        out: list[tuple[float, KeyFields, int]] = []
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                name = entry.name
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-                if TMP_MARK in name and SUFFIX in name:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
-                        self.stats.temp_removed += 1
-                    continue
-                if not name.endswith(SUFFIX):
-                    continue
-                try:
-                    key = parse_name(name)
-                except FormatError:
-                    self.stats.unparsable_names += 1
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                out.append((st.st_mtime, key, st.st_size))
-        return out
+        def is_data_dir(d: str) -> bool:
+            if d == root:
+                return True
+            parts = d[len(root) + 1:].split("/") if d.startswith(root + "/") else []
+            return self.sharded and len(parts) == 2 and all(len(p) == 2 for p in parts)
+
+        in_data = np.array([is_data_dir(d) for d in inv.dirs], bool)[inv.dir_idx] \
+            if inv.dirs else np.zeros(0, bool)
+        for row in np.flatnonzero(in_data & (inv.cls == TEMP)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(inv.file(int(row)).fspath)
+                self.stats.temp_removed += 1
+        # ".kvp", not nixl_store_dynamic's ".bin": the third byte from each name's end (only
+        # read for live/unparsable rows, whose names end in one of the two suffixes).
+        kvp = np.frombuffer(inv.names, np.uint8)[np.maximum(inv.name_end - 3, 0)] == ord(SUFFIX[1]) \
+            if len(inv) else np.zeros(0, bool)
+        self.stats.unparsable_names += int(np.count_nonzero(in_data & kvp & (inv.cls == UNPARSABLE)))
+        live = np.flatnonzero(in_data & kvp & (inv.cls == LIVE))
+        live = live[np.argsort(inv.mtime_ns[live], kind="stable")]  # oldest access first = LRU
+        return inv.keys(live), inv.size[live].tolist()
 
     # ------------------------------------------------------------------ lookup
 

@@ -62,6 +62,7 @@ TRICKY_NAMES = [
     "quotas.json",
     f"ünïcode--{NS[2]}_00000000_0_{HASH}.kvp",
     os.fsdecode(b"bad-utf8-\xff\xfe_00000000_0_" + HASH.encode() + b".kvp"),
+    f"m--{NS[0]}_00000001_{'f' * 20}_{HASH}@s.kvp",  # a group id beyond 64 bits: live
 ]
 
 
@@ -99,7 +100,7 @@ def test_tricky_names_are_classified_as_the_format_says(tricky: Path) -> None:
     inv = build_inventory(tricky)
     top = {f.name: f for f in inv.files if f.dir == str(tricky)}
     live = {n for n, f in top.items() if f.cls == "live"}
-    assert live == {TRICKY_NAMES[i] for i in (0, 1, 2, 3, 23, 24)}
+    assert live == {TRICKY_NAMES[i] for i in (0, 1, 2, 3, 23, 24, 25)}
     for name in live - {TRICKY_NAMES[2]}:  # every live .kvp name parses to a key
         assert format_name(parse_name(name)).lower() == name.lower()
     assert top[TRICKY_NAMES[2]].model_name == f"org_with_underscores/{NS[1]}"
@@ -135,6 +136,20 @@ for walker in ("c", "python"):
     out[walker] = {"errors": inv.errors, "rows": sorted([f.dir, f.name, f.cls] for f in inv.files)}
 print(json.dumps(out))
 """
+
+
+def test_keys_of_live_rows(tricky: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C key parser and the Python one give the keys parse_name gives (.bin names too)."""
+    inv = build_inventory(tricky)
+    live = inv.of_class(inventory.LIVE)
+    assert live.size == 3 * 7  # seven live names in each copy outside quarantine/
+    fast = inv.keys(live)
+    want = [parse_name(inv.name(int(r))[:-4] + ".kvp") for r in live]
+    assert fast == want
+    assert any(k.object_group_id == 2**80 - 1 for k in fast) and any(k.cache_salt for k in fast)
+    monkeypatch.setattr(inventory, "_walk", None)
+    assert inv.keys(live) == want
+    assert inv.keys(live[:0]) == []
 
 
 def test_walkers_report_the_same_errors() -> None:

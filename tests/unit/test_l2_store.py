@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist import inventory
 from kvpersist.l2_format import (
     HEADER_SIZE,
     FormatError,
@@ -256,3 +257,48 @@ def test_list_keys_pages(tmp_path: Path) -> None:
     assert len(rest) == 2 and nxt2 is None
     only_a, _ = store.list_keys(f"org/model/{NS_A}", 0, 100)
     assert {k for k, _ in only_a} == {key(i) for i in (1, 3, 5)}
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("with_c", [True, False])
+def test_scan_takes_only_data_directories(tmp_path: Path, sharded: bool, with_c: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up scan indexes published .kvp files in the root (and, sharded, in root/xx/yy)
+    only; it removes temp leftovers there and nowhere else; odd keys round-trip exactly, through
+    the C walker and key parser and through their Python fallbacks."""
+    if not with_c:
+        monkeypatch.setattr(inventory, "_walk", None)
+    root = tmp_path / "cache"
+    store = open_store(root, sharded=sharded)
+    odd = [KeyFields(f"org/m/{NS_A}", 0xFFFFFFFF, 2**70 + 5, b"\xab" * 32, "salt-1"),
+           KeyFields(f"org/m/{NS_A}", 1, 0, b"", ""),
+           KeyFields(f"org/m/{NS_A}", 2, 0x1F, bytes(range(16)), "")]
+    for i, k in enumerate([*odd, key(7)]):
+        assert store.put(k, payload(i, 512)) == "stored"
+    store.close()
+    want = {store.path_for(k).name for k in [*odd, key(7)]}
+    foreign_dirs = [root / "notes", root / "ab", root / QUARANTINE_DIR]
+    for d in foreign_dirs:
+        d.mkdir(exist_ok=True)
+    elsewhere = format_name(key(8))
+    (root / "notes" / elsewhere).write_bytes(b"x" * 4096)  # not a data directory
+    (root / "ab" / elsewhere).write_bytes(b"x" * 4096)  # one level only: not a shard
+    (root / QUARANTINE_DIR / elsewhere).write_bytes(b"x" * 4096)
+    (root / "notes" / (elsewhere + ".tmp.0001")).write_bytes(b"t")  # kept: not a data dir
+    (root / (elsewhere + ".tmp.0002")).write_bytes(b"t")  # removed
+    (root / (elsewhere[:-4] + ".bin")).write_bytes(b"n" * 4096)  # nixl's file: not ours
+    (root / "broken.kvp").write_bytes(b"?")
+    (root / format_name(key(9))).symlink_to(root / "notes" / elsewhere)
+    seen: list[KeyFields] = []
+    store2 = KvFileStore(root, 10**9, sharded=sharded,
+                         on_added=lambda keys, sizes: seen.extend(keys))
+    store2.open(background_scan=False)
+    assert {store2.path_for(k).name for k in seen} == want
+    assert set(seen) == {*odd, key(7)}
+    assert store2.used_bytes == sum(store2.path_for(k).stat().st_size for k in seen)
+    assert store2.stats.temp_removed == 1 and store2.stats.unparsable_names == 1
+    assert (root / "notes" / (elsewhere + ".tmp.0001")).exists()
+    assert not (root / (elsewhere + ".tmp.0002")).exists()
+    buf = bytearray(512)
+    assert store2.read_into(odd[0], buf) and bytes(buf) == payload(0, 512)
+    store2.close()
