@@ -10,6 +10,8 @@ writes this).  Extra config keys, besides LMCache's own ``lmcache.mp.*``:
   (or env ``KVP_CHAT_TEMPLATE_FILE``).
 * ``kvpersist.http_url``: the LMCache server's HTTP address, probed at start (2 s timeout).
 * ``kvpersist.lookup_timeout_s``: the longest a request waits for the cache lookup (default 5).
+* ``kvpersist.cache_root``: the server's ``KVP_CACHE_ROOT`` (or env ``KVP_CACHE_ROOT``); when it is
+  a local directory, the scheduler records the identity there (:mod:`kvpersist.identity_records`).
 
 Invariants
 ----------
@@ -53,7 +55,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from .identity import IdentityError, IdentityResolution, load_pins, merge_sources
+from .identity import CacheIdentity, IdentityError, IdentityResolution, load_pins, merge_sources
+from .identity_records import write_record
 from .identity_sources import from_vllm_config
 
 if TYPE_CHECKING:
@@ -65,6 +68,7 @@ PINS_KEY = "kvpersist.pins"
 CHAT_TEMPLATE_KEY = "kvpersist.chat_template_file"
 HTTP_URL_KEY = "kvpersist.http_url"
 LOOKUP_TIMEOUT_KEY = "kvpersist.lookup_timeout_s"
+CACHE_ROOT_KEY = "kvpersist.cache_root"
 DEFAULT_LOOKUP_TIMEOUT_S = 5.0
 
 
@@ -104,6 +108,19 @@ def server_answers(vllm_config: Any, timeout: float = 2.0) -> bool:
             return bool(resp.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+def record_identity(vllm_config: Any, identity: CacheIdentity) -> Path | None:
+    """Record ``identity`` under the cache root, if it is a local directory; never raises."""
+    root = _extra(vllm_config, CACHE_ROOT_KEY, "KVP_CACHE_ROOT")
+    if root is None or not Path(root).is_dir():
+        return None
+    try:
+        return write_record(root, identity)
+    except (OSError, IdentityError) as exc:
+        logger.warning("kvpersist: could not record the identity of %s under %s: %s",
+                       identity.namespace, root, exc)
+        return None
 
 
 def _down_marker(vllm_config: Any) -> Path:
@@ -214,6 +231,8 @@ class KvPersistConnector(LMCacheMPConnector):  # type: ignore[misc]
         logger.info("kvpersist: caching ON, namespace %s, LMCache model name %s (role %s)",
                     resolution.identity.namespace, model_name, getattr(role, "name", role))
         super().__init__(with_model_name(vllm_config, model_name), role, kv_cache_config)
+        if getattr(role, "name", None) == "SCHEDULER":  # one process per engine writes it
+            record_identity(vllm_config, resolution.identity)
         raw = _extra(vllm_config, LOOKUP_TIMEOUT_KEY, "KVP_LOOKUP_TIMEOUT_S")
         self._kvp_lookup_timeout_s = float(raw) if raw is not None else DEFAULT_LOOKUP_TIMEOUT_S
         self._kvp_lookup_began: dict[str, float] = {}

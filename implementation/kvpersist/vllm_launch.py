@@ -71,6 +71,7 @@ def kv_transfer_config(
         "lmcache.mp.mq_timeout": _env_seconds("KVP_MQ_TIMEOUT_S", 15.0),
         "kvpersist.pins": str(pins_path),
         "kvpersist.http_url": settings.http_url,
+        "kvpersist.cache_root": str(settings.cache_root),
         "kvpersist.lookup_timeout_s": _env_seconds("KVP_LOOKUP_TIMEOUT_S", 5.0),
     }
     if chat_template_file:

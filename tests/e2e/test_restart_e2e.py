@@ -7,7 +7,12 @@ new namespace with no hits and leaves the old files untouched.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +37,15 @@ def expected_namespace(model_dir: Path, pins_path: Path, **live: object) -> str:
     assert res.enabled, res.problems
     assert res.identity is not None
     return res.identity.namespace
+
+
+def admin_json(env: dict[str, str], *argv: str) -> dict[str, Any]:
+    """``kvp-admin ARGV --json`` against the test's server and cache root."""
+    res = subprocess.run([sys.executable, "-m", "kvpersist.cli", *argv, "--json"],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    data: dict[str, Any] = json.loads(res.stdout)
+    return data
 
 
 def lmcache_metric(settings: ServerSettings, name: str) -> float:
@@ -96,5 +110,13 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
             assert after.get(name) == digest, f"old file {name} changed or vanished"
         new_files = set(after) - set(before_change)
         assert new_files and all(new_namespace in n for n in new_files), new_files
+
+        # "Why no hits?" answered from what is on disk: each engine recorded its identity under
+        # the cache root, and kvp-admin names the one field that keeps the namespaces apart.
+        engines = {e["namespace"]: e for e in
+                   admin_json(server_env, "identity", "--server")["engines"]}
+        assert engines[new_namespace]["fields"]["max_model_len"] == 1024, engines
+        diff = admin_json(server_env, "identity", "diff", namespace, new_namespace)
+        assert [d["field"] for d in diff["differences"]] == ["max_model_len"], diff
     finally:
         vllm.kill()

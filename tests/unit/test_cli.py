@@ -84,6 +84,10 @@ def test_identity_diff_explains(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert {d["field"] for d in data["differences"]} == {"tensor_parallel_size", "block_size"}
     code, out, _ = run(capsys, "identity", "--diff", str(TINY_PINS), str(TINY_PINS))
     assert "share KV" in out
+    code, words, _ = run(capsys, "identity", "diff", str(TINY_PINS), str(other), "--json")
+    assert code == 0 and json.loads(words) == data
+    code, _, err = run(capsys, "identity", "dif", str(TINY_PINS), str(other))
+    assert code == 2 and "identity diff A B" in err
 
 
 def test_status_without_server(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -8,16 +8,30 @@ import json
 import sys
 from pathlib import Path
 
+from ..admin import active_namespaces_from_server
 from ..identity import (
     FIELDS,
+    NAMESPACE_RE,
+    CacheIdentity,
     IdentityError,
     IdentityResolution,
     diff_identities,
     load_pins,
     merge_sources,
 )
+from ..identity_records import list_records, read_record
 from ..identity_sources import CONNECTOR_NAME, build_identity, from_model_folder
-from .common import EXIT_ERROR, EXIT_OFF, EXIT_OK, Subparsers, add_json, print_json, table
+from .common import (
+    EXIT_ERROR,
+    EXIT_OFF,
+    EXIT_OK,
+    EXIT_USAGE,
+    Subparsers,
+    add_json,
+    print_json,
+    settings_or_exit,
+    table,
+)
 
 
 def resolve_cli_identity(args: argparse.Namespace) -> tuple[IdentityResolution, dict[str, object]]:
@@ -43,8 +57,18 @@ def resolve_cli_identity(args: argparse.Namespace) -> tuple[IdentityResolution, 
 
 
 def cmd_identity(args: argparse.Namespace) -> int:
+    if args.words:  # `identity diff A B`, the same as `identity --diff A B`
+        if len(args.words) != 3 or args.words[0] != "diff" or args.diff:
+            print("kvp-admin identity: expected `identity diff A B` (or `identity --diff A B`), "
+                  f"got {' '.join(args.words)!r}", file=sys.stderr)
+            return EXIT_USAGE
+        args.diff = args.words[1:]
     if args.diff:
         return cmd_identity_diff(args)
+    if args.server:
+        return cmd_identity_server(args)
+    if args.namespace:
+        return cmd_identity_recorded(args)
     try:
         resolution, pins = resolve_cli_identity(args)
     except (IdentityError, ValueError) as exc:
@@ -74,7 +98,56 @@ def cmd_identity(args: argparse.Namespace) -> int:
     return EXIT_OK if resolution.enabled else EXIT_OFF
 
 
+def _recorded_rows(ident: CacheIdentity) -> list[tuple[str, object]]:
+    return [(s.name, getattr(ident, s.name)) for s in FIELDS]
+
+
+def cmd_identity_recorded(args: argparse.Namespace) -> int:
+    """The identity recorded for a namespace under the cache root."""
+    root = settings_or_exit().cache_root
+    try:
+        ident = read_record(root, args.namespace)
+    except IdentityError as exc:
+        print(f"kvp-admin identity --namespace: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print_json({"namespace": ident.namespace, "lmcache_model_name": ident.lmcache_model_name(),
+                    "fields": ident.as_dict()})
+    else:
+        print(table(_recorded_rows(ident), ("field", "value")))
+        print(f"\nnamespace {ident.namespace} (recorded under {root})")
+    return EXIT_OK
+
+
+def cmd_identity_server(args: argparse.Namespace) -> int:
+    """The namespaces of the engines registered with the running server, with their records."""
+    settings = settings_or_exit()
+    active = active_namespaces_from_server(settings.http_url)
+    if active is None:
+        print(f"kvp-admin identity --server: the server at {settings.http_url} does not answer",
+              file=sys.stderr)
+        return EXIT_OFF
+    records = list_records(settings.cache_root)
+    engines = [(ns, records.get(ns, "no identity record under the cache root"))
+               for ns in sorted(active)]
+    if args.json:
+        print_json({"server": settings.http_url, "engines": [
+            {"namespace": ns,
+             "fields": rec.as_dict() if isinstance(rec, CacheIdentity) else None,
+             "problem": rec if isinstance(rec, str) else None} for ns, rec in engines]})
+        return EXIT_OK
+    if not engines:
+        print(f"no engine is registered with the server at {settings.http_url}")
+    for ns, rec in engines:
+        print(f"namespace {ns} (registered with {settings.http_url})")
+        print(f"  {rec}" if isinstance(rec, str) else table(_recorded_rows(rec), ("field", "value")))
+        print()
+    return EXIT_OK
+
+
 def _load_side(spec: str) -> dict[str, object]:
+    if NAMESPACE_RE.fullmatch(spec):
+        return dict(read_record(settings_or_exit().cache_root, spec).as_dict())
     path = Path(spec)
     if path.is_dir():
         return dict(from_model_folder(path))
@@ -111,9 +184,15 @@ def register(sub: Subparsers) -> None:
         "(configs/<model>/identity.env). Fields found in both must agree, or caching is OFF "
         "(exit 3) and the disagreeing field is named. Example: kvp-admin identity --pins "
         "configs/tiny-llama/identity.env --model-folder /models/.../snapshots/<sha>. "
-        "With --diff A B (pins files, model folders or 'identity --json' outputs) it lists "
-        "the fields that keep two configurations from sharing KV: the answer to 'why no hits?'.",
+        "With `diff A B` or --diff A B (pins files, model folders, 'identity --json' outputs or "
+        "namespaces recorded under the cache root) it lists the fields that keep two "
+        "configurations from sharing KV: the answer to 'why no hits?'. Examples: kvp-admin "
+        "identity diff configs/a/identity.env configs/b/identity.env; kvp-admin identity diff "
+        "kvp-<old namespace from report> configs/a/identity.env. --namespace NS prints what a "
+        "namespace on disk stands for; --server the namespaces of the running server's engines.",
     )
+    p.add_argument("words", nargs="*", metavar="diff A B",
+                   help="compare two configurations (the same as --diff A B)")
     p.add_argument("--pins", help="identity.env pins file")
     p.add_argument("--model-folder", help="local HF-style model folder (config.json, tokenizer)")
     p.add_argument("--kv-cache-dtype", default="auto",
@@ -125,5 +204,9 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--with-build", action="store_true",
                    help="add the installed LMCache/vLLM build identity even without a model folder")
     p.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two configurations")
+    p.add_argument("--namespace", metavar="NS",
+                   help="the identity recorded for NS under KVP_CACHE_ROOT/namespaces/")
+    p.add_argument("--server", action="store_true",
+                   help="the namespaces of the engines registered with the running server")
     add_json(p)
     p.set_defaults(func=cmd_identity)
