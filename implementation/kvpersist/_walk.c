@@ -538,37 +538,69 @@ static int hex_value(char c) {
 }
 
 PyDoc_STRVAR(live_keys_doc,
-"live_keys(names: bytes, name_end: bytes, rows: bytes) -> tuple\n\n"
-"The key fields of live rows (``rows``: int64 row numbers of names that live_model_len accepts):\n"
-"(rank int64, group int64, hashes, hash_end int64, salts, slow).  ``hashes`` concatenates the\n"
-"binary chunk hashes, ``hash_end`` ends each; ``salts`` maps a position in ``rows`` to its salt\n"
-"(str) for salted names only; ``slow`` lists positions whose group does not fit 60 bits (their\n"
-"rank/group are 0: parse those names in Python).");
+"live_keys(names, name_end, model_idx, rows, model_names, key_type) -> list\n\n"
+"The object keys of live ``rows`` (int64 row numbers, in bytes) of an inventory's columns\n"
+"(``names``, ``name_end`` int64, ``model_idx`` int32): a list of\n"
+"``key_type(model_names[model_idx[row]], rank, group, chunk_hash, salt)``, made the way\n"
+"``tuple.__new__`` makes a NamedTuple.  A row whose name is not a live cache-file name raises\n"
+"ValueError.  Call it on slices of a large row set: it holds the GIL while it runs.");
+
+/* Fill tuple slot `i` of `t` with `v`, which is a new reference or NULL (then -1). */
+static int set_slot(PyObject *t, Py_ssize_t i, PyObject *v) {
+    if (v == NULL) return -1;
+    PyTuple_SET_ITEM(t, i, v);
+    return 0;
+}
+
+static PyObject *hex_long(const char *s, size_t n) {
+    if (n <= 15) {
+        unsigned long long v = 0;
+        for (size_t k = 0; k < n; k++) v = v * 16 + (unsigned long long)hex_value(s[k]);
+        return PyLong_FromUnsignedLongLong(v);
+    }
+    char *copy = malloc(n + 1);
+    if (copy == NULL) return PyErr_NoMemory();
+    memcpy(copy, s, n);
+    copy[n] = 0;
+    PyObject *v = PyLong_FromString(copy, NULL, 16);
+    free(copy);
+    return v;
+}
 
 static PyObject *live_keys(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer names, ends, rows;
-    if (!PyArg_ParseTuple(args, "y*y*y*:live_keys", &names, &ends, &rows)) return NULL;
-    PyObject *result = NULL, *salts = PyDict_New(), *slow = PyList_New(0);
+    Py_buffer names, ends, models, rows;
+    PyObject *model_names, *key_type_obj;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*O!O!:live_keys", &names, &ends, &models, &rows,
+                          &PyList_Type, &model_names, &PyType_Type, &key_type_obj))
+        return NULL;
+    PyTypeObject *key_type = (PyTypeObject *)key_type_obj;
+    PyObject *out = NULL, *empty = PyUnicode_FromStringAndSize("", 0);
+    unsigned char *hash = NULL;
     Py_ssize_t n = rows.len / (Py_ssize_t)sizeof(int64_t);
     Py_ssize_t nnames = ends.len / (Py_ssize_t)sizeof(int64_t);
     const int64_t *row = rows.buf, *end = ends.buf;
+    const int32_t *model = models.buf;
     const char *blob = names.buf;
-    Buf rank = {0}, group = {0}, hashes = {0}, hash_end = {0};
-    if (salts == NULL || slow == NULL) goto done;
+    if (!PyType_IsSubtype(key_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "key_type must be a tuple subclass (a NamedTuple)");
+        goto fail;
+    }
+    if (empty == NULL || (out = PyList_New(n)) == NULL) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = row[i];
-        if (r < 0 || r >= nnames) {
+        if (r < 0 || r >= nnames || (Py_ssize_t)(models.len / sizeof(int32_t)) <= r) {
             PyErr_SetString(PyExc_IndexError, "row out of range");
-            goto done;
+            goto fail;
         }
         size_t start = r ? (size_t)end[r - 1] : 0;
         const char *name = blob + start;
         size_t len = (size_t)end[r] - start;
         size_t model_len = len >= 4 ? live_model_len(name, len) : 0;
-        if (model_len == 0) {
-            PyErr_Format(PyExc_ValueError, "row %lld is not a live cache file name", (long long)r);
-            goto done;
+        int32_t m = model[r];
+        if (model_len == 0 || m < 0 || m >= PyList_GET_SIZE(model_names)) {
+            PyErr_Format(PyExc_ValueError, "row %lld is not a live cache file", (long long)r);
+            goto fail;
         }
         size_t stem = len - 4;
         const char *at = memchr(name, '@', stem);
@@ -577,50 +609,43 @@ static PyObject *live_keys(PyObject *self, PyObject *args) {
         const char *u3 = memchr(name + group_at, '_', head - group_at);
         size_t group_len = (size_t)(u3 - (name + group_at));
         size_t hash_at = (size_t)(u3 - name) + 1, hash_len = head - hash_at;
-        int64_t rank_v = 0, group_v = 0;
-        for (size_t k = 0; k < 8; k++) rank_v = rank_v * 16 + hex_value(name[rank_at + k]);
-        if (group_len <= 15) {
-            for (size_t k = 0; k < group_len; k++) group_v = group_v * 16 + hex_value(name[group_at + k]);
-        } else {
-            PyObject *pos = PyLong_FromSsize_t(i);
-            if (pos == NULL || PyList_Append(slow, pos) < 0) {
-                Py_XDECREF(pos);
-                goto done;
-            }
-            Py_DECREF(pos);
-            rank_v = 0;
+        unsigned char *grown = realloc(hash, hash_len / 2 + 1);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            goto fail;
         }
-        for (size_t k = 0; k < hash_len; k += 2) {
-            unsigned char byte =
-                (unsigned char)(hex_value(name[hash_at + k]) * 16 + hex_value(name[hash_at + k + 1]));
-            if (buf_add(&hashes, &byte, 1) < 0) goto nomem;
-        }
-        int64_t hend = (int64_t)hashes.len;
-        if (buf_add(&rank, &rank_v, sizeof rank_v) < 0 || buf_add(&group, &group_v, sizeof group_v) < 0 ||
-            buf_add(&hash_end, &hend, sizeof hend) < 0)
-            goto nomem;
+        hash = grown;
+        for (size_t k = 0; k < hash_len; k += 2)
+            hash[k / 2] = (unsigned char)(hex_value(name[hash_at + k]) * 16 + hex_value(name[hash_at + k + 1]));
+        PyObject *key = key_type->tp_alloc(key_type, 5);
+        if (key == NULL) goto fail;
+        PyList_SET_ITEM(out, i, key);
+        PyObject *model_name = PyList_GET_ITEM(model_names, m);
+        Py_INCREF(model_name);
+        PyTuple_SET_ITEM(key, 0, model_name);
+        PyObject *salt = empty;
         if (at != NULL) {
-            PyObject *pos = PyLong_FromSsize_t(i);
-            PyObject *salt = PyUnicode_DecodeFSDefaultAndSize(at + 1, (Py_ssize_t)(stem - head - 1));
-            int rc = (pos && salt) ? PyDict_SetItem(salts, pos, salt) : -1;
-            Py_XDECREF(pos);
-            Py_XDECREF(salt);
-            if (rc < 0) goto done;
+            salt = PyUnicode_DecodeFSDefaultAndSize(at + 1, (Py_ssize_t)(stem - head - 1));
+        } else {
+            Py_INCREF(empty);
         }
+        if (set_slot(key, 1, hex_long(name + rank_at, 8)) < 0 ||
+            set_slot(key, 2, hex_long(name + group_at, group_len)) < 0 ||
+            set_slot(key, 3, PyBytes_FromStringAndSize((const char *)hash, (Py_ssize_t)(hash_len / 2))) < 0 ||
+            set_slot(key, 4, salt) < 0)
+            goto fail;
     }
-    result = Py_BuildValue("(NNNNOO)", bytes_of(&rank), bytes_of(&group), bytes_of(&hashes),
-                           bytes_of(&hash_end), salts, slow);
     goto done;
-nomem:
-    PyErr_NoMemory();
+fail:
+    Py_CLEAR(out);
 done:
-    free(rank.data), free(group.data), free(hashes.data), free(hash_end.data);
-    Py_XDECREF(salts);
-    Py_XDECREF(slow);
+    free(hash);
+    Py_XDECREF(empty);
     PyBuffer_Release(&names);
     PyBuffer_Release(&ends);
+    PyBuffer_Release(&models);
     PyBuffer_Release(&rows);
-    return result;
+    return out;
 }
 
 static PyMethodDef methods[] = {

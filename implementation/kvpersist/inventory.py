@@ -19,10 +19,12 @@ Invariants
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -197,28 +199,42 @@ class Inventory:
             usage.last_access = max(usage.last_access, int(last[m]) / 1e9)
         return out
 
-    def keys(self, rows: IntArray) -> list[KeyFields]:
-        """The object keys of live ``rows`` (of ``.kvp`` and ``.bin`` names alike), in order."""
+    def keys(self, rows: IntArray, *, chunk: int = 32768) -> list[KeyFields]:
+        """The object keys of live ``rows`` (of ``.kvp`` and ``.bin`` names alike), in order.
+        Made in C when built, ``chunk`` rows per call, so that a server thread scanning a
+        million files lets the others run between calls.  The cyclic garbage collector is paused
+        meanwhile: a million new tuples would otherwise trigger collections that cost more than
+        making them (1.2 s of 2.0 s measured), and key tuples never form cycles."""
         if _walk is None:
-            return [_key_of(self.name(int(r)), self.model_names[self.model_idx[r]]) for r in rows]
+            with _gc_paused():
+                return [_key_of(self.name(r), self.model_names[self.model_idx[r]])
+                        for r in rows.tolist()]
         rows = np.ascontiguousarray(rows, np.int64)
-        rank_b, group_b, hashes, hash_end_b, salts, slow = _walk.live_keys(
-            self.names, self.name_end.tobytes(), rows.tobytes())
-        hash_end = np.frombuffer(hash_end_b, np.int64).tolist()
-        starts = [0, *hash_end[:-1]]
-        chunk_hashes = [hashes[a:b] for a, b in zip(starts, hash_end, strict=True)]
-        models = [self.model_names[m] for m in self.model_idx[rows].tolist()]
-        salt_of = [salts.get(i, "") for i in range(len(rows))] if salts else [""] * len(rows)
-        out = list(map(KeyFields, models, np.frombuffer(rank_b, np.int64).tolist(),
-                       np.frombuffer(group_b, np.int64).tolist(), chunk_hashes, salt_of))
-        for i in slow:  # a group id too large for the C parser
-            out[i] = _key_of(self.name(int(rows[i])), models[i])
+        name_end, model_idx = self.name_end.tobytes(), self.model_idx.tobytes()
+        out: list[KeyFields] = []
+        with _gc_paused():
+            for start in range(0, rows.size, chunk):
+                out += _walk.live_keys(self.names, name_end, model_idx,
+                                       rows[start:start + chunk].tobytes(), self.model_names,
+                                       KeyFields)
         return out
 
     @property
     def cache_bytes(self) -> int:
         """Bytes of every KV file the cache tier owns (live + temp + quarantine)."""
         return int(self.size[self.cls <= QUARANTINE].sum())
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (if it runs) for the block."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _key_of(name: str, model_name: str) -> KeyFields:
