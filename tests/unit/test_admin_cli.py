@@ -142,6 +142,8 @@ def test_quota_commands(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 3 and NS[2] in json.loads(out)["over"]
     code, out, _ = run(capsys, "quota", "show")
     assert code == 0 and NS[2] in out
+    code, out, _ = run(capsys, "quota", "show", "--json")
+    assert code == 0 and json.loads(out)["quotas_gib"] == {NS[2]: pytest.approx(FILE / 1024**3)}
     code, _, err = run(capsys, "quota", "set", "kvp-nothex", "1")
     assert code == 1 and "is not a namespace" in err
     code, _, err = run(capsys, "quota", "set", NS[0], "-1")
@@ -152,10 +154,13 @@ def test_malformed_quotas_file_is_refused_and_kept(root: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     bad = root / "quotas.json"
     bad.write_text('{"quotas": {"kvp-abc": 1}, "extra": 2}')
-    for argv in (("report",), ("cleanup",), ("quota", "show")):
+    for argv in (("report",), ("metrics",), ("cleanup",), ("quota", "show")):
         code, _, err = run(capsys, *argv)
         assert code == 1 and "unknown key" in err, argv
     assert bad.read_text() == '{"quotas": {"kvp-abc": 1}, "extra": 2}'
+    bad.unlink()
+    code, _, err = run(capsys, "report", "--active", "kvp-nothex")
+    assert code == 1 and "kvp-admin report: --active" in err and "not a namespace" in err
 
 
 def test_verify_and_quarantine(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

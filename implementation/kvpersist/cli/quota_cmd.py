@@ -49,7 +49,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
         print(f"kvp-admin quota {args.action}: {exc}", file=sys.stderr)
         return EXIT_ERROR
     if args.json:
-        print_json({"file": str(path), "quotasgib": {k: v / GIB for k, v in quotas.items()}})
+        print_json({"file": str(path), "quotas_gib": {k: v / GIB for k, v in quotas.items()}})
     else:
         print(f"quotas in {path}:")
         print(table([(ns, gib(q)) for ns, q in sorted(quotas.items())], ("namespace", "GiB")))

@@ -28,11 +28,16 @@ from .common import (
 )
 
 
-def _report_data(args: argparse.Namespace) -> tuple[dict[str, Any], ServerSettings]:
+def _report_data(args: argparse.Namespace, label: str) -> tuple[dict[str, Any], ServerSettings]:
+    """The report, or exit 1 with a message naming the problem (settings, quotas, root)."""
     settings = settings_or_exit()
-    inv = inventory_or_exit(settings, "report")
-    quotas = load_quotas(quotas_path(args, settings))
-    active, source = active_namespaces(args, settings)
+    try:
+        quotas = load_quotas(quotas_path(args, settings))
+        active, source = active_namespaces(args, settings)
+    except QuotaError as exc:
+        print(f"kvp-admin {label}: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR) from None
+    inv = inventory_or_exit(settings, label)
     budget = BudgetModel.from_gb(settings.budget_gb, settings.eviction_watermark,
                                  settings.eviction_ratio)
     data = build_report(inv, budget, quotas, active)
@@ -41,11 +46,7 @@ def _report_data(args: argparse.Namespace) -> tuple[dict[str, Any], ServerSettin
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    try:
-        data, _ = _report_data(args)
-    except QuotaError as exc:
-        print(f"kvp-admin report: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+    data, _ = _report_data(args, "report")
     if args.json:
         print_json(data)
         return EXIT_OK
@@ -68,11 +69,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    try:
-        data, settings = _report_data(args)
-    except QuotaError as exc:
-        print(f"kvp-admin metrics: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+    data, settings = _report_data(args, "metrics")
     text = prometheus_text(data)
     if args.textfile:
         write_textfile(Path(args.textfile), text)
@@ -91,7 +88,11 @@ def _serve_metrics(args: argparse.Namespace, settings: ServerSettings) -> int:
             if self.path != "/metrics":
                 self.send_error(404)
                 return
-            body = prometheus_text(_report_data(args)[0]).encode()
+            try:
+                body = prometheus_text(_report_data(args, "metrics")[0]).encode()
+            except SystemExit:  # the reason went to stderr; keep serving
+                self.send_error(500, "kvp-admin metrics failed; see its stderr")
+                return
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
