@@ -7,10 +7,12 @@ processes taking turns, ``du -s ROOT``, ``kvp-admin report --json`` and ``kvp-ad
 and the median ratios.  The issue's target is 1.5x.
 
     .venv/bin/python benchmarks/bench_admin_scale.py [--files 1000000] [--layout flat|sharded]
-        [--root DIR] [--keep] [--repeat 3] [--walker auto|c|python] [--apply]
+        [--root DIR] [--keep] [--repeat 3] [--walker auto|c|python] [--drop-caches] [--apply]
 
-``--apply`` then also times ``kvp-admin cleanup --apply`` down to the same target (it deletes the
-files it plans: a kept tree is smaller afterwards).
+``--drop-caches`` (root only) empties the page, dentry and inode caches before each timed command,
+so every one of them starts cold, as after a reboot.  ``--apply`` then also times
+``kvp-admin cleanup --apply`` down to the same target (it deletes the files it plans: a kept tree
+is smaller afterwards).
 """
 
 from __future__ import annotations
@@ -57,7 +59,13 @@ def generate(root: Path, n: int, sharded: bool) -> None:
         (root / "quarantine" / f"q{j}.kvp.payload-checksum.{j}").write_bytes(b"")
 
 
+DROP_CACHES = False
+
+
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+    if DROP_CACHES:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
     began = time.monotonic()
     res = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     return time.monotonic() - began, res.stdout
@@ -70,11 +78,15 @@ def main() -> int:
     parser.add_argument("--root", help="where to build the tree (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the tree (reused next time)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of du/report/cleanup")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="start every timed command with cold caches (needs root)")
     parser.add_argument("--apply", action="store_true",
                         help="finally time cleanup --apply (deletes files of the tree)")
     parser.add_argument("--walker", choices=("auto", "c", "python"), default="auto",
                         help="kvp-admin's inventory walker (KVP_WALKER)")
     args = parser.parse_args()
+    global DROP_CACHES
+    DROP_CACHES = args.drop_caches
     root = Path(args.root or tempfile.mkdtemp(prefix="kvp-admin-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, KVP_CACHE_ROOT=str(root), KVP_HTTP_PORT="9", KVP_WALKER=args.walker,
@@ -104,7 +116,8 @@ def main() -> int:
                   f"({report_s / du_s:.2f}x, {files} live files, scan {data['scan_seconds']:.2f}s) | "
                   f"cleanup dry run {plan_s:.2f}s ({plan_s / du_s:.2f}x)", flush=True)
         print(f"cleanup said: {out.splitlines()[0]}")
-        print(f"median ratio to du -s ({args.layout}, {args.walker} walker): "
+        print(f"median ratio to du -s ({args.layout}, {args.walker} walker"
+              f"{', cold caches' if args.drop_caches else ''}): "
               f"report {statistics.median(ratios['report']):.2f}x, "
               f"cleanup dry run {statistics.median(ratios['cleanup']):.2f}x (target 1.5x)")
         if args.apply:
