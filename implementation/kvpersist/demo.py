@@ -3,7 +3,8 @@
 Steps: build the tiny model; start the LMCache server (kvpersist settings, L2 on disk) and
 vLLM with the kvpersist connector; send a long chat; stop both; start both; send the same
 chat; print the tokens served from the persistent cache, the L2 files with their namespace,
-and whether the two answers (temperature 0, logprobs) are identical.
+what ``kvp-admin`` reports about them (usage and the recorded identity of the namespace), and
+whether the two answers (temperature 0, logprobs) are identical.
 
 Exit status 0 only if the second answer is identical *and* came (partly) from L2.
 """
@@ -17,7 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from .admin import build_report
+from .budget import BudgetModel
 from .identity import load_pins, sanitize_model_name
+from .identity_records import list_records
+from .inventory import build_inventory
 from .server import http_get, start_server, stop_server
 from .settings import REPO_ROOT, load_settings
 from .stack import ChatResult, VllmProcess, chat, free_port, long_conversation, metric_sum
@@ -39,6 +44,24 @@ def wait_for_files(root: Path, count: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while len(l2_files(root)) < count and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+def _print_admin_view(cache_root: Path, budget_gb: float) -> None:
+    """What ``kvp-admin report`` and ``kvp-admin identity --namespace`` say about the cache."""
+    inv = build_inventory(cache_root)
+    report = build_report(inv, BudgetModel.from_gb(budget_gb), {}, set())
+    records = list_records(cache_root)
+    for row in report["namespaces"]:
+        ns = row["namespace"]
+        print(f"kvp-admin report                       : {ns}: {row['files']} files, "
+              f"{row['bytes']} B, {100 * row['budget_share']:.3f}% of the budget")
+        rec = records.get(ns, "no identity record")
+        if isinstance(rec, str):
+            print(f"kvp-admin identity --namespace         : {rec}")
+        else:
+            print(f"kvp-admin identity --namespace         : {rec.model_id}@{rec.model_revision[:12]}, "
+                  f"{rec.kv_cache_dtype}, block {rec.block_size}, tp {rec.tensor_parallel_size}, "
+                  f"max len {rec.max_model_len}, {rec.build}")
 
 
 def run_demo(work: Path, cache_root: Path, *, tokens: int, keep: bool) -> int:
@@ -100,10 +123,9 @@ def run_demo(work: Path, cache_root: Path, *, tokens: int, keep: bool) -> int:
     print(f"L2 files in {cache_root}: {len(files)}")
     for path in files:
         print(f"  {path.stat().st_size:>9} B  {path.name}")
-    namespaces = sorted({p.name.split("--")[2].split("_")[0] for p in files if p.name.count("--") >= 2})
-    print(f"namespaces on disk                     : {', '.join(namespaces) or '-'}")
     prefix = sanitize_model_name(pins["model_id"])
     print(f"file-name prefix (sanitized model id)  : {prefix}--<namespace>")
+    _print_admin_view(cache_root, settings.budget_gb)
     identical = (answers[0].text == answers[1].text and answers[0].tokens == answers[1].tokens
                  and answers[0].logprobs == answers[1].logprobs)
     drift = max((abs(a - b) for a, b in zip(answers[0].logprobs, answers[1].logprobs, strict=False)),
