@@ -59,11 +59,9 @@ def generate(root: Path, n: int, sharded: bool) -> None:
         (root / "quarantine" / f"q{j}.kvp.payload-checksum.{j}").write_bytes(b"")
 
 
-DROP_CACHES = False
-
-
-def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
-    if DROP_CACHES:
+def timed(cmd: list[str], env: dict[str, str], cold: bool = False) -> tuple[float, str]:
+    """Seconds ``cmd`` took and its stdout; ``cold`` drops the kernel's caches first."""
+    if cold:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     began = time.monotonic()
@@ -85,8 +83,6 @@ def main() -> int:
     parser.add_argument("--walker", choices=("auto", "c", "python"), default="auto",
                         help="kvp-admin's inventory walker (KVP_WALKER)")
     args = parser.parse_args()
-    global DROP_CACHES
-    DROP_CACHES = args.drop_caches
     root = Path(args.root or tempfile.mkdtemp(prefix="kvp-admin-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, KVP_CACHE_ROOT=str(root), KVP_HTTP_PORT="9", KVP_WALKER=args.walker,
@@ -103,13 +99,13 @@ def main() -> int:
         subprocess.run(["du", "-s", str(root)], check=True, capture_output=True)  # warm caches
         ratios: dict[str, list[float]] = {"report": [], "cleanup": []}
         for rnd in range(1, args.repeat + 1):
-            du_s, _ = timed(["du", "-s", str(root)], env)
+            du_s, _ = timed(["du", "-s", str(root)], env, args.drop_caches)
             report_s, out = timed([py, "-m", "kvpersist.cli", "report", "--json", "--active", active],
-                                  env)
+                                  env, args.drop_caches)
             data = json.loads(out)
             files = sum(r["files"] for r in data["namespaces"])
             plan_s, out = timed([py, "-m", "kvpersist.cli", "cleanup", "--dry-run", "--active", active,
-                                 "--target-gb", "100"], env)
+                                 "--target-gb", "100"], env, args.drop_caches)
             ratios["report"].append(report_s / du_s)
             ratios["cleanup"].append(plan_s / du_s)
             print(f"round {rnd}: du -s {du_s:.2f}s | report --json {report_s:.2f}s "

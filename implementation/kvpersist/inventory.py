@@ -38,6 +38,7 @@ from .l2_format import (
     TMP_MARK,
     FormatError,
     KeyFields,
+    key_of_stem,
     model_name_from_safe,
     parse_name,
     split_model_name,
@@ -206,9 +207,8 @@ class Inventory:
         meanwhile: a million new tuples would otherwise trigger collections that cost more than
         making them (1.2 s of 2.0 s measured), and key tuples never form cycles."""
         if _walk is None:
-            with _gc_paused():
-                return [_key_of(self.name(r), self.model_names[self.model_idx[r]])
-                        for r in rows.tolist()]
+            with _gc_paused():  # both suffixes have four characters
+                return [key_of_stem(self.name(r)[:-4]) for r in rows.tolist()]
         rows = np.ascontiguousarray(rows, np.int64)
         name_end, model_idx = self.name_end.tobytes(), self.model_idx.tobytes()
         out: list[KeyFields] = []
@@ -235,14 +235,6 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def _key_of(name: str, model_name: str) -> KeyFields:
-    fields = split_stem(name[:-4])
-    if fields is None:
-        raise FormatError("bad-name", name)
-    _, rank, group, hash_hex, salt = fields
-    return KeyFields(model_name, int(rank, 16), int(group, 16), bytes.fromhex(hash_hex), salt)
 
 
 def classify(name: str, in_quarantine: bool) -> tuple[str, str]:

@@ -116,16 +116,25 @@ def split_stem(stem: str) -> tuple[str, str, str, str, str] | None:
     return model, rank, group, hash_hex, salt
 
 
+def key_of_stem(stem: str) -> KeyFields:
+    """The key a cache file name names, given without its suffix (".kvp" or ".bin");
+    FormatError("bad-name") if :func:`split_stem` refuses it."""
+    fields = split_stem(stem)
+    if fields is None:
+        raise FormatError("bad-name", stem)
+    model, rank, group, hash_hex, salt = fields
+    return KeyFields(model_name_from_safe(model), int(rank, 16), int(group, 16),
+                     bytes.fromhex(hash_hex), salt)
+
+
 def parse_name(name: str) -> KeyFields:
     """Invert :func:`format_name`; raises FormatError for anything else (temp files too)."""
     if not name.endswith(SUFFIX) or TMP_MARK in name:
         raise FormatError("not-a-cache-file", name)
-    fields = split_stem(name[: -len(SUFFIX)])
-    if fields is None:
-        raise FormatError("bad-name", name)
-    model, rank, group, hash_hex, salt = fields
-    return KeyFields(model_name_from_safe(model), int(rank, 16), int(group, 16),
-                     bytes.fromhex(hash_hex), salt)
+    try:
+        return key_of_stem(name[: -len(SUFFIX)])
+    except FormatError:
+        raise FormatError("bad-name", name) from None
 
 
 def shard_dirs(chunk_hash: bytes) -> tuple[str, str]:

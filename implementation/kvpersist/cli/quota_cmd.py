@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..budget import GIB, QuotaError, check_namespace, load_quotas, quota_bytes, save_quotas
+from ..budget import (
+    GIB,
+    QuotaError,
+    check_namespace,
+    load_quotas,
+    over_quota,
+    quota_bytes,
+    save_quotas,
+)
 from .common import (
     EXIT_ERROR,
     EXIT_OFF,
@@ -36,7 +44,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
         if args.action == "check":
             usage = {ns: u.bytes for ns, u in
                      inventory_or_exit(settings, "quota").namespaces().items()}
-            over = {ns: usage.get(ns, 0) - q for ns, q in quotas.items() if usage.get(ns, 0) > q}
+            over = over_quota(usage, quotas)
             if args.json:
                 print_json({"over": over, "quotas": quotas, "usage": usage})
             else:
