@@ -100,11 +100,11 @@ def main() -> int:
         ratios: dict[str, list[float]] = {"report": [], "cleanup": []}
         for rnd in range(1, args.repeat + 1):
             du_s, _ = timed(["du", "-s", str(root)], env, args.drop_caches)
-            report_s, out = timed([py, "-m", "kvpersist.cli", "report", "--json", "--active", active],
+            report_s, out = timed([py, "-m", "kvpersist.admin.cli", "report", "--json", "--active", active],
                                   env, args.drop_caches)
             data = json.loads(out)
             files = sum(r["files"] for r in data["namespaces"])
-            plan_s, out = timed([py, "-m", "kvpersist.cli", "cleanup", "--dry-run", "--active", active,
+            plan_s, out = timed([py, "-m", "kvpersist.admin.cli", "cleanup", "--dry-run", "--active", active,
                                  "--target-gb", "100"], env, args.drop_caches)
             ratios["report"].append(report_s / du_s)
             ratios["cleanup"].append(plan_s / du_s)
@@ -117,7 +117,7 @@ def main() -> int:
               f"report {statistics.median(ratios['report']):.2f}x, "
               f"cleanup dry run {statistics.median(ratios['cleanup']):.2f}x (target 1.5x)")
         if args.apply:
-            apply_s, out = timed([py, "-m", "kvpersist.cli", "cleanup", "--apply",
+            apply_s, out = timed([py, "-m", "kvpersist.admin.cli", "cleanup", "--apply",
                                   "--active", active, "--target-gb", "100"], env)
             print(f"cleanup --apply: {apply_s:.1f}s: {out.splitlines()[-1]}")
     finally:

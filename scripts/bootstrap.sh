@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or refresh) the project's virtual environment from the pinned lock, and build the C
-# inventory walker (kvpersist._walk) in place. Idempotent: stamps holding the digests of what each
+# inventory walker (kvpersist.l2._walk) in place. Idempotent: stamps holding the digests of what each
 # step depends on skip the work when nothing changed.
 #   KVP_VENV   where the environment goes (default: <repo>/.venv)
 set -euo pipefail
@@ -8,22 +8,23 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVP_VENV:-$here/.venv}"
 lock="$here/requirements/cpu-lock.txt"
 stamp="$venv/.kvp-lock-digest"
-# What the environment depends on: the lock, this script, and pyproject's [project] table.
+# What the environment depends on: the lock, this script, and pyproject's [project] table
+# (its console scripts included).
 want="$( { cat "$lock" "$0"; sed -n '/^\[project\]/,/^\[tool/p' "$here/pyproject.toml"; } | sha256sum | cut -c1-64)"
 
 build_walker() {
   # The C walker, built in place next to its source (the package is installed editable).
   # Optional by design (setup.py): without a compiler the Python walker is used instead.
-  local src="$here/implementation/kvpersist/_walk.c" walk_stamp="$venv/.kvp-walk-digest" log
+  local src="$here/implementation/kvpersist/l2/_walk.c" walk_stamp="$venv/.kvp-walk-digest" log
   local walk_want
   walk_want="$(cat "$here/setup.py" "$src" | sha256sum | cut -c1-64)"
   if [[ -f "$walk_stamp" && "$(cat "$walk_stamp")" == "$walk_want" ]] \
-     && compgen -G "$here/implementation/kvpersist/_walk*.so" >/dev/null; then
+     && compgen -G "$here/implementation/kvpersist/l2/_walk*.so" >/dev/null; then
     return 0
   fi
   log="$(mktemp)"
   if (cd "$here" && "$venv/bin/python" setup.py -q build_ext --inplace) >"$log" 2>&1 \
-     && "$venv/bin/python" -c "import kvpersist._walk" 2>>"$log"; then
+     && "$venv/bin/python" -c "import kvpersist.l2._walk" 2>>"$log"; then
     echo "$walk_want" > "$walk_stamp"
   else
     echo "bootstrap: the C walker did not build; kvp-admin falls back to the Python walker:" >&2

@@ -4,5 +4,5 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$here/scripts/bootstrap.sh"
-export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+cd "$here"  # the demo keeps its model and logs in ./.kvp-demo
 exec "$here/.venv/bin/python" -m kvpersist.demo "$@"

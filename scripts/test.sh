@@ -5,7 +5,6 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 bash scripts/bootstrap.sh
-export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 py="$here/.venv/bin/python"
 echo "== ruff"; "$py" -m ruff check implementation tests benchmarks
 echo "== mypy"; "$py" -m mypy

@@ -1,17 +1,36 @@
+"""Fixtures shared by every suite.  Tests import the installed ``kvpersist`` package (editable
+in the project's venv) and its test support, :mod:`kvpersist.testing`; nothing edits sys.path."""
+
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# Tests run against the source tree even where the package is not installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "implementation"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from kvpersist.config.environment import apply_to_current_process
+from kvpersist.config.server import ServerSettings
+from kvpersist.demo.tiny_model import build_tiny_model
+from kvpersist.serving.server import stop_server
+from kvpersist.testing.helpers import kvpersist_settings
+
+# LMCache's client runs inside the test process too (its bench client): telemetry off here as well.
+apply_to_current_process()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Iterator[ServerSettings]:
+    """A kvpersist-adapter server's settings on a fresh root (1 GiB budget); stopped after the
+    test.  The e2e suite overrides it with a 2 GiB budget."""
+    s = kvpersist_settings(tmp_path / "cache")
+    yield s
+    stop_server(s)
 
 
 @pytest.fixture

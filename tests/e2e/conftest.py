@@ -5,16 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.server import stop_server
-from kvpersist.settings import ServerSettings, load_settings
-from kvpersist.tiny_model import build_tiny_model
-
-from helpers import server_env as make_server_env
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models"))
+from kvpersist.config.server import ServerSettings, load_settings
+from kvpersist.serving.server import stop_server
+from kvpersist.testing.helpers import server_env as make_server_env
 
 
 @pytest.fixture

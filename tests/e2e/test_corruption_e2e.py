@@ -8,18 +8,16 @@ LMCache's L1 is cleared before each request, so the prefix comes from (or fails 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from kvpersist.l2_format import HEADER_SIZE
-from kvpersist.server import start_server
-from kvpersist.settings import ServerSettings
-from kvpersist.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
-
-from helpers import TINY_PINS, adapter_status, clear_l1
+from kvpersist.config.server import ServerSettings
+from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
+from kvpersist.serving.server import start_server
+from kvpersist.testing.corruption import corrupt_file
+from kvpersist.testing.helpers import TINY_PINS, adapter_status, clear_l1
 
 pytestmark = pytest.mark.e2e
 
@@ -35,22 +33,10 @@ def wait_files(root: Path, count: int, timeout: float = 60.0) -> list[Path]:
 
 
 def corrupt(files: list[Path], how: str) -> None:
-    originals = {f: f.read_bytes() for f in files}
+    """Damage every file (``other-key``: each gets the next file's valid content)."""
+    originals = [f.read_bytes() for f in files]
     for i, f in enumerate(files):
-        raw = bytearray(originals[f])
-        if how == "noise":  # same size, plausible float bytes: the dangerous case
-            raw[HEADER_SIZE:] = originals[files[(i + 1) % len(files)]][HEADER_SIZE:]
-        elif how == "random":
-            raw[HEADER_SIZE:] = os.urandom(len(raw) - HEADER_SIZE)
-        elif how == "half":
-            raw = raw[: len(raw) // 2]
-        elif how == "zero":
-            raw = bytearray()
-        elif how == "header":
-            raw[64:72] = b"\xff" * 8
-        elif how == "other-key":
-            raw = bytearray(originals[files[(i + 1) % len(files)]])
-        f.write_bytes(bytes(raw))
+        corrupt_file(f, how, originals[(i + 1) % len(files)] if how == "other-key" else None)
 
 
 def same(a: ChatResult, b: ChatResult) -> bool:

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.l2_store import verify_file
-from kvpersist.server import start_server, stop_server
-from kvpersist.settings import load_settings
-from kvpersist.stack import VllmProcess, chat, long_conversation
-
-from helpers import TINY_PINS, adapter_status, clear_l1
-from helpers import server_env as make_server_env
+from kvpersist.config.server import load_settings
+from kvpersist.demo.stack import VllmProcess, chat, long_conversation
+from kvpersist.l2.files import verify_file
+from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing.helpers import TINY_PINS, adapter_status, clear_l1
+from kvpersist.testing.helpers import server_env as make_server_env
 
 pytestmark = pytest.mark.e2e
 

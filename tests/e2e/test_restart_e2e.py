@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 
-from kvpersist.identity import load_pins, merge_sources, sanitize_model_name
-from kvpersist.identity_sources import build_identity, from_model_folder
-from kvpersist.server import http_get, start_server, stop_server
-from kvpersist.settings import ServerSettings
-from kvpersist.stack import VllmProcess, chat, long_conversation, metric_sum
-
-from helpers import TINY_PINS, l2_files, wait_for_l2_files, write_pins
+from kvpersist.config.server import ServerSettings
+from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
+from kvpersist.identity import load_pins, merge_sources
+from kvpersist.identity.sources import build_identity, from_model_folder
+from kvpersist.l2.layout import sanitize_model_name
+from kvpersist.serving import http
+from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing.helpers import TINY_PINS, l2_files, wait_for_l2_files, write_pins
 
 pytestmark = pytest.mark.e2e
 REQUEST_TIMEOUT = 120.0
@@ -41,7 +42,7 @@ def expected_namespace(model_dir: Path, pins_path: Path, **live: object) -> str:
 
 def admin_json(env: dict[str, str], *argv: str) -> dict[str, Any]:
     """``kvp-admin ARGV --json`` against the test's server and cache root."""
-    res = subprocess.run([sys.executable, "-m", "kvpersist.cli", *argv, "--json"],
+    res = subprocess.run([sys.executable, "-m", "kvpersist.admin.cli", *argv, "--json"],
                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     data: dict[str, Any] = json.loads(res.stdout)
@@ -49,7 +50,7 @@ def admin_json(env: dict[str, str], *argv: str) -> dict[str, Any]:
 
 
 def lmcache_metric(settings: ServerSettings, name: str) -> float:
-    _, body = http_get(settings.http_url + "/metrics", timeout=10)
+    body = http.get(settings.http_url + "/metrics", timeout=10).body
     return metric_sum(body.decode(), name)
 
 

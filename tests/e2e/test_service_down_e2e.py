@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.pidfile import check_pid_file
-from kvpersist.server import start_server, stop_server
-from kvpersist.settings import ServerSettings
-from kvpersist.stack import VllmProcess, chat, long_conversation, metric_sum
-
-from helpers import TINY_PINS
+from kvpersist.config.server import ServerSettings
+from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
+from kvpersist.serving.pidfile import check_pid_file
+from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing.helpers import TINY_PINS
 
 pytestmark = pytest.mark.e2e
 DOWN_BOUND_S = 45.0

@@ -1,0 +1,131 @@
+"""``kvp-admin report`` (per-namespace usage, measured from the disk) and ``kvp-admin metrics``
+(the same figures as Prometheus text: printed, written for a textfile collector, or served)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from ...config.server import ServerSettings
+from ..budget import BudgetModel, QuotaError, load_quotas
+from ..metrics import prometheus_text, write_textfile
+from ..report import build_report
+from .common import (
+    EXIT_ERROR,
+    EXIT_OK,
+    Subparsers,
+    active_namespaces,
+    add_active_args,
+    gib,
+    inventory_or_exit,
+    print_json,
+    quotas_path,
+    settings_or_exit,
+    table,
+    when,
+)
+
+
+def _report_data(args: argparse.Namespace, label: str) -> tuple[dict[str, Any], ServerSettings]:
+    """The report, or exit 1 with a message naming the problem (settings, quotas, root)."""
+    settings = settings_or_exit()
+    try:
+        quotas = load_quotas(quotas_path(args, settings))
+        active, source = active_namespaces(args, settings)
+    except QuotaError as exc:
+        print(f"kvp-admin {label}: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR) from None
+    inv = inventory_or_exit(settings, label)
+    budget = BudgetModel.from_gb(settings.budget_gb, settings.eviction_watermark,
+                                 settings.eviction_ratio)
+    data = build_report(inv, budget, quotas, active)
+    data["active_source"] = source
+    return data, settings
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    data, _ = _report_data(args, "report")
+    if args.json:
+        print_json(data)
+        return EXIT_OK
+    rows = [(r["namespace"], ",".join(r["model_ids"]), r["files"], gib(r["bytes"]),
+             f"{100 * r['budget_share']:.2f}%", when(r["last_access"]), r["state"],
+             gib(r["quota_bytes"]), "OVER" if r["over_quota_bytes"] else "")
+            for r in data["namespaces"]]
+    print(f"cache root {data['root']}: {gib(data['cache_bytes'])} GiB of budget "
+          f"{gib(data['budget_bytes'])} GiB ({100 * data['budget_share']:.2f}%); eviction at "
+          f"{gib(data['trigger_bytes'])} GiB down to {gib(data['reclaim_target_bytes'])} GiB")
+    print(f"active namespaces from: {data['active_source']}\n")
+    print(table(rows, ("namespace", "model id", "files", "GiB", "budget", "last access",
+                        "state", "quota GiB", "quota")))
+    print()
+    print(table([(c, v["files"], gib(v["bytes"])) for c, v in data["classes"].items()],
+                 ("class", "files", "GiB")))
+    for err in data["errors"]:
+        print(f"warning: {err}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    data, settings = _report_data(args, "metrics")
+    text = prometheus_text(data)
+    if args.textfile:
+        write_textfile(Path(args.textfile), text)
+        return EXIT_OK
+    if args.serve:
+        return _serve_metrics(args, settings)
+    sys.stdout.write(text)
+    return EXIT_OK
+
+
+def _serve_metrics(args: argparse.Namespace, settings: ServerSettings) -> int:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path != "/metrics":
+                self.send_error(404)
+                return
+            try:
+                body = prometheus_text(_report_data(args, "metrics")[0]).encode()
+            except SystemExit:  # the reason went to stderr; keep serving
+                self.send_error(500, "kvp-admin metrics failed; see its stderr")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer((args.bind, args.serve), Handler)
+    print(f"serving Prometheus metrics on http://{args.bind}:{args.serve}/metrics", file=sys.stderr)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
+    return EXIT_OK
+
+
+def register(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "report",
+        help="per namespace: files, bytes, budget share, last access, active/stale, quota",
+        description="Measure KVP_CACHE_ROOT from the disk (names and sizes only, no reads) and "
+        "show, per namespace, the model id, files, bytes, share of the budget, last access, "
+        "whether it is active (the running server's engines, or --active) and its quota; then "
+        "totals per class: live, temp leftovers, quarantine, unparsable names, foreign files.",
+    )
+    add_active_args(p)
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser(
+        "metrics",
+        help="Prometheus text: bytes/files per namespace, classes, budget share",
+        description="Print the metrics, write them atomically for node_exporter's textfile "
+        "collector (--textfile), or serve them (--serve PORT, 127.0.0.1 by default).",
+    )
+    add_active_args(p)
+    p.add_argument("--textfile", help="write to this .prom file atomically")
+    p.add_argument("--serve", type=int, metavar="PORT", help="serve /metrics on this port")
+    p.add_argument("--bind", default="127.0.0.1", help="address for --serve")
+    p.set_defaults(func=cmd_metrics)

@@ -1,0 +1,85 @@
+"""``kvp-admin status`` and ``kvp-admin server start|stop|status``: the LMCache MP server's lifecycle
+through its pid file and HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ...config.server import SettingsError
+from ...serving.pidfile import PidFileError
+from ...serving.server import ServerError, server_status, start_server, stop_server
+from .common import EXIT_ERROR, EXIT_OFF, EXIT_OK, Subparsers, add_json, print_json, settings_or_exit, table
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    settings = settings_or_exit()
+    try:
+        status = server_status(settings)
+    except PidFileError as exc:
+        print(f"kvp-admin status: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print_json(status)
+    else:
+        rows = [(k, v) for k, v in status.items() if k != "server_status"]
+        print(table(rows, ("item", "value")))
+        if "server_status" in status:
+            print("\nserver /status:")
+            print(json.dumps(status["server_status"], indent=2, sort_keys=True, default=str))
+    return EXIT_OK if status["healthy"] else EXIT_OFF
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    settings = settings_or_exit()
+    try:
+        if args.action == "start":
+            res = start_server(settings)
+            if res.warning:
+                print(res.warning, file=sys.stderr)
+            if res.replaced_stale is not None:
+                print(f"note: replaced a {res.replaced_stale.state.value} pid file", file=sys.stderr)
+            out = {"pid": res.pid, "seconds": round(res.seconds, 2), "http_url": settings.http_url,
+                   "zmq_port": settings.zmq_port, "cache_root": str(settings.cache_root)}
+            if args.json:
+                print_json(out)
+            else:
+                print(f"LMCache server started: pid {res.pid}, ZMQ {settings.zmq_url}:"
+                      f"{settings.zmq_port}, HTTP {settings.http_url}, root {settings.cache_root} "
+                      f"({res.seconds:.1f}s)")
+            return EXIT_OK
+        if args.action == "stop":
+            stopped = stop_server(settings)
+            if args.json:
+                print_json({"signalled": stopped.signalled, "graceful": stopped.graceful,
+                             "state": stopped.status.state.value})
+            else:
+                print(stopped.describe(settings.pid_file))
+            return EXIT_OK
+        return cmd_status(args)
+    except (ServerError, PidFileError, SettingsError) as exc:
+        print(f"kvp-admin server {args.action}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def register(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "status",
+        help="the LMCache server's pid, health, ports and /status (read over HTTP)",
+        description="Read the pid file (never trusted blindly: a dead or reused pid is "
+        "reported as stale) and the server's HTTP API. Exit 3 when the server is not healthy.",
+    )
+    add_json(p)
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser(
+        "server",
+        help="start, stop or inspect the LMCache MP server for KVP_CACHE_ROOT",
+        description="start: validate settings, check ports and root, spawn `lmcache server` in "
+        "the background with telemetry off, write KVP_CACHE_ROOT/lmcache-server.pid and wait for "
+        "/healthcheck. stop: SIGTERM the recorded process (only if pid and start time match) "
+        "and wait; SIGKILL after KVP_STOP_TIMEOUT_S.",
+    )
+    p.add_argument("action", choices=("start", "stop", "status"))
+    add_json(p)
+    p.set_defaults(func=cmd_server)

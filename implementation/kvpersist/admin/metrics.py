@@ -1,0 +1,55 @@
+"""``kvp-admin metrics``: a report as Prometheus text (for ``--textfile`` or ``--serve``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..atomic import write_text_atomic
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(report: dict[str, Any]) -> str:
+    """Prometheus text exposition of a report (bytes and files per namespace, classes, budget)."""
+    lines = [
+        "# HELP kvpersist_budget_bytes Hard cap of the L2 tier (KVP_CACHE_BUDGET_GB).",
+        "# TYPE kvpersist_budget_bytes gauge",
+        f"kvpersist_budget_bytes {report['budget_bytes']}",
+        "# HELP kvpersist_cache_bytes Bytes of KV files under the root (live, temp, quarantine).",
+        "# TYPE kvpersist_cache_bytes gauge",
+        f"kvpersist_cache_bytes {report['cache_bytes']}",
+        "# HELP kvpersist_budget_share Share of the budget used by the cache.",
+        "# TYPE kvpersist_budget_share gauge",
+        f"kvpersist_budget_share {report['budget_share']:.6f}",
+        "# HELP kvpersist_namespace_bytes Bytes of live KV files per namespace.",
+        "# TYPE kvpersist_namespace_bytes gauge",
+    ]
+    for row in report["namespaces"]:
+        labels = (f'namespace="{_label(row["namespace"])}",'
+                  f'model_id="{_label(",".join(row["model_ids"]))}",state="{row["state"]}"')
+        lines.append(f"kvpersist_namespace_bytes{{{labels}}} {row['bytes']}")
+    lines += ["# HELP kvpersist_namespace_files Live KV files per namespace.",
+              "# TYPE kvpersist_namespace_files gauge"]
+    for row in report["namespaces"]:
+        lines.append(f'kvpersist_namespace_files{{namespace="{_label(row["namespace"])}"}} '
+                     f"{row['files']}")
+    lines += ["# HELP kvpersist_class_bytes Bytes per file class under the root.",
+              "# TYPE kvpersist_class_bytes gauge"]
+    for cls, v in report["classes"].items():
+        lines.append(f'kvpersist_class_bytes{{class="{cls}"}} {v["bytes"]}')
+    lines += ["# HELP kvpersist_class_files Files per class under the root.",
+              "# TYPE kvpersist_class_files gauge"]
+    for cls, v in report["classes"].items():
+        lines.append(f'kvpersist_class_files{{class="{cls}"}} {v["files"]}')
+    lines += ["# HELP kvpersist_quarantine_files Files in quarantine.",
+              "# TYPE kvpersist_quarantine_files gauge",
+              f"kvpersist_quarantine_files {report['classes']['quarantine']['files']}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_textfile(path: Path, text: str) -> None:
+    """Atomic write for node_exporter's textfile collector (readable by it: mode 0644)."""
+    write_text_atomic(path, text, mode=0o644)

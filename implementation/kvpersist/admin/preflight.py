@@ -1,0 +1,157 @@
+"""Pre-start checks for an operator: can this machine keep the promises of the configuration?
+
+Invariants: every check yields ``ok``, ``warn`` or ``error`` with a message that says how to fix
+it; preflight reads and probes, and never changes anything (no directory is created).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config.adapters import l2_adapter_config
+from ..config.environment import TELEMETRY_OFF
+from ..config.server import ServerSettings
+from ..identity import FIELDS, IdentityError, load_pins
+from ..serving.server import is_healthy, port_is_free
+from .budget import BudgetModel, device_ceiling
+
+LOCAL_FS_OK = {"ext4", "xfs", "btrfs", "zfs", "f2fs", "ext3", "bcachefs"}
+TEST_ONLY_FS = {"tmpfs", "overlay", "overlayfs", "ramfs"}
+NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "fuse.sshfs", "lustre",
+              "beegfs", "gpfs", "9p", "fuse.glusterfs", "fuse.ceph", "fuse.juicefs"}
+#: Identity fields that the engine derives at run time and a pins file may leave out.
+LIVE_ONLY_FIELDS = {"build"}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    level: str  # "ok" | "warn" | "error"
+    message: str
+
+
+def fs_type(path: Path, mounts: str = "/proc/mounts") -> tuple[str, str]:
+    """(fs type, mount point) of ``path`` from the longest matching mount point."""
+    target = str(path.resolve() if path.exists() else Path(os.path.abspath(path)))
+    best = ("unknown", "")
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = parts[1].replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/") or mount == "/"
+        if inside and len(mount) >= len(best[1]):
+            best = (parts[2], mount)
+    return best
+
+
+def existing_ancestor(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def filesystem_check(root: Path, *, production: bool, mounts: str = "/proc/mounts") -> Check:
+    kind, mount = fs_type(root, mounts)
+    where = f"{root} is on {kind} (mounted at {mount})"
+    if kind == "wekafs":
+        return Check("filesystem", "warn",
+                     f"{where}: use the GDS profile: KVP_L2_ADAPTER=nixl_store_dynamic with backend "
+                     "GDS (or GDS_MT) and GDS forced on, as LMCache's GDS backend does on wekafs; "
+                     "budget the GDS buffer against --gpu-memory-utilization (start with 8 GiB "
+                     "and 0.85 on an 80 GiB GPU). The kvpersist adapter's rename atomicity and "
+                     "root lock hold on one host only")
+    if kind in TEST_ONLY_FS:
+        return Check("filesystem", "warn" if production else "ok",
+                     f"{where}: fine for tests; in production it does not persist across reboots "
+                     "(tmpfs) or lives in a container layer (overlay): use a local NVMe file system")
+    if kind in NETWORK_FS or kind.startswith("fuse."):
+        return Check("filesystem", "warn",
+                     f"{where}: a network file system: atomic rename and the one-writer root lock "
+                     "are not guaranteed, and capacity accounting is per server, not shared. "
+                     "Use a local NVMe file system, or one server per tree")
+    if kind in LOCAL_FS_OK:
+        return Check("filesystem", "ok", where)
+    return Check("filesystem", "warn", f"{where}: not a file system kvpersist was tested on")
+
+
+def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | None,
+                  production: bool = True, device: Path | None = None,
+                  environ: dict[str, str] | None = None) -> list[Check]:
+    env = dict(os.environ if environ is None else environ)
+    checks: list[Check] = []
+    budget = BudgetModel.from_gb(settings.budget_gb, settings.eviction_watermark,
+                                 settings.eviction_ratio)
+    root = settings.cache_root
+    probe = existing_ancestor(root)
+
+    ceiling = device_ceiling(probe, cache_bytes, budget.cap_bytes, device)
+    checks.append(Check("device ceiling", "ok" if ceiling.ok else "error", ceiling.message()))
+
+    free_share = ceiling.free_bytes / max(1, budget.cap_bytes)
+    if ceiling.free_bytes < 1024**3:
+        checks.append(Check("free space", "error",
+                            f"only {ceiling.free_bytes / 1024**2:.0f} MiB free on {probe}: stores "
+                            "would fail at once; free space or move KVP_CACHE_ROOT"))
+    else:
+        checks.append(Check("free space", "ok",
+                            f"{ceiling.free_bytes / 1024**3:.1f} GiB free on {probe} "
+                            f"({100 * free_share:.0f}% of the budget)"))
+
+    if root.exists() and not os.access(root, os.W_OK | os.X_OK):
+        checks.append(Check("cache root", "error", f"{root} is not writable by this user"))
+    elif root.exists():
+        mode = root.stat().st_mode & 0o777
+        checks.append(Check("cache root", "ok" if mode == 0o700 else "warn",
+                            f"{root} exists, mode {mode:o}" + ("" if mode == 0o700 else
+                                                              "; chmod 700 keeps KV private")))
+    else:
+        checks.append(Check("cache root", "ok", f"{root} will be created (mode 0700)"))
+
+    running = is_healthy(settings, timeout=1.0)
+    for name, port in (("KVP_ZMQ_PORT", settings.zmq_port), ("KVP_HTTP_PORT", settings.http_port)):
+        if running:
+            checks.append(Check(f"port {name}", "ok", f"{port} is served by the running server"))
+        elif port_is_free(settings.bind_host, port):
+            checks.append(Check(f"port {name}", "ok", f"{port} is free on {settings.bind_host}"))
+        else:
+            checks.append(Check(f"port {name}", "error",
+                                f"{port} is busy on {settings.bind_host}; stop what uses it or "
+                                f"set {name}"))
+
+    adapter = l2_adapter_config(settings)
+    checks.append(Check("persist_enabled", "ok" if adapter.get("persist_enabled") else "error",
+                        f"L2 adapter {settings.l2_adapter}: persist_enabled="
+                        f"{adapter.get('persist_enabled')}"))
+    if settings.l2_adapter == "nixl_store_dynamic":
+        checks.append(Check("read verification", "warn",
+                            "nixl_store_dynamic has no read checksum and restarts its capacity "
+                            "count at zero; KVP_L2_ADAPTER=kvpersist verifies every read"))
+
+    shell_telemetry = env.get("LMCACHE_TRACK_USAGE", "").lower() in ("1", "true", "yes")
+    checks.append(Check("telemetry", "ok",
+                        "forced off for every server kvpersist starts ("
+                        + " ".join(f"{k}={v}" for k, v in TELEMETRY_OFF.items()) + ")"
+                        + ("; note: this shell sets LMCACHE_TRACK_USAGE=true, which kvpersist "
+                           "overrides" if shell_telemetry else "")))
+
+    if pins is not None:
+        try:
+            pinned = load_pins(pins)
+            missing = [f.env for f in FIELDS if f.name not in pinned
+                       and f.name not in LIVE_ONLY_FIELDS]
+            checks.append(Check("identity pins", "error" if missing else "ok",
+                                f"{pins}: missing {', '.join(missing)}" if missing else
+                                f"{pins}: every field pinned (build comes from the engine)"))
+        except IdentityError as exc:
+            checks.append(Check("identity pins", "error", str(exc)))
+
+    checks.append(filesystem_check(root, production=production))
+    return checks

@@ -1,0 +1,65 @@
+"""``kvp-admin report``: per namespace files, bytes, budget share, last access, quota and state.
+
+Invariant: every figure comes from the disk (the inventory); the server is asked only which
+namespaces are active.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ..l2.inventory import Inventory
+from ..serving import http
+from .budget import BudgetModel, over_quota
+
+_NS_IN_TEXT = re.compile(r"kvp-[0-9a-f]{32}")
+
+
+def active_namespaces_from_server(http_url: str, timeout: float = 5.0) -> set[str] | None:
+    """Namespaces of the engines registered with the running server, or None if it is down."""
+    try:
+        resp = http.get(http_url + "/status", timeout=timeout)
+        body = resp.json() if resp.ok else None
+    except (http.HttpError, ValueError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    meta = {k: body.get(k) for k in ("cache_context_meta", "non_cuda_context_meta",
+                                     "registered_non_cuda_instance_ids")}
+    return set(_NS_IN_TEXT.findall(json.dumps(meta)))
+
+
+def build_report(inv: Inventory, budget: BudgetModel, quotas: dict[str, int],
+                 active: set[str]) -> dict[str, Any]:
+    usage = inv.namespaces()
+    over = over_quota({ns: u.bytes for ns, u in usage.items()}, quotas)
+    rows = []
+    for ns in sorted(usage, key=lambda n: -usage[n].bytes):
+        u = usage[ns]
+        rows.append({
+            "namespace": ns,
+            "model_ids": sorted(u.model_ids),
+            "files": u.files,
+            "bytes": u.bytes,
+            "budget_share": budget.share(u.bytes),
+            "last_access": u.last_access,
+            "state": "active" if ns in active else "stale",
+            "quota_bytes": quotas.get(ns),
+            "over_quota_bytes": over.get(ns, 0),
+        })
+    classes = {c: {"files": n, "bytes": b} for c, (n, b) in inv.by_class().items()}
+    return {
+        "root": str(inv.root),
+        "budget_bytes": budget.cap_bytes,
+        "trigger_bytes": budget.trigger_bytes,
+        "reclaim_target_bytes": budget.reclaim_target_bytes,
+        "cache_bytes": inv.cache_bytes,
+        "budget_share": budget.share(inv.cache_bytes),
+        "namespaces": rows,
+        "classes": classes,
+        "active_namespaces": sorted(active),
+        "scan_seconds": round(inv.seconds, 3),
+        "errors": inv.errors,
+    }

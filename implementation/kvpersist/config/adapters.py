@@ -1,0 +1,78 @@
+"""The one place that decides which L2 adapter the LMCache server gets, and how.
+
+Invariants
+----------
+* Templates live in ``l2-adapters.json`` (package data); ``${VAR}`` placeholders are filled
+  from validated :class:`~kvpersist.config.server.ServerSettings` only, so an adapter config never
+  carries an unvalidated value.
+* Every adapter config produced here keeps data on shutdown (``persist_enabled`` true).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .paths import ADAPTER_TEMPLATES
+from .values import SettingsError
+
+if TYPE_CHECKING:
+    from .server import ServerSettings
+
+_PLACEHOLDER = re.compile(r"\$\{([A-Z0-9_]+)\}")
+
+
+def _templates(path: Path = ADAPTER_TEMPLATES) -> dict[str, Any]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def known_adapters() -> list[str]:
+    return sorted(_templates())
+
+
+def _numeric_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def _substitutions(settings: ServerSettings) -> dict[str, str]:
+    return {
+        "KVP_CACHE_ROOT": str(settings.cache_root),
+        "KVP_CACHE_BUDGET_GB": _numeric_text(settings.budget_gb),
+        "KVP_EVICTION_WATERMARK": _numeric_text(settings.eviction_watermark),
+        "KVP_EVICTION_RATIO": _numeric_text(settings.eviction_ratio),
+        "KVP_L2_SHARDED": "true" if settings.l2_sharded else "false",
+    }
+
+
+def _fill(node: Any, subs: dict[str, str]) -> Any:
+    if isinstance(node, dict):
+        return {k: _fill(v, subs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fill(v, subs) for v in node]
+    if isinstance(node, str):
+        whole = _PLACEHOLDER.fullmatch(node)
+        if whole and whole.group(1) in ("KVP_EVICTION_WATERMARK", "KVP_EVICTION_RATIO"):
+            return float(subs[whole.group(1)])
+
+        def repl(m: re.Match[str]) -> str:
+            if m.group(1) not in subs:
+                raise SettingsError(f"l2-adapters.json uses unknown placeholder ${{{m.group(1)}}}")
+            return subs[m.group(1)]
+
+        return _PLACEHOLDER.sub(repl, node)
+    return node
+
+
+def l2_adapter_config(settings: ServerSettings) -> dict[str, Any]:
+    """The ``--l2-adapter`` JSON object for ``settings.l2_adapter``."""
+    templates = _templates()
+    if settings.l2_adapter not in templates:
+        raise SettingsError(f"no L2 adapter template named {settings.l2_adapter!r}")
+    config = _fill(templates[settings.l2_adapter], _substitutions(settings))
+    if config.get("persist_enabled") is False:
+        raise SettingsError(f"adapter {settings.l2_adapter!r} has persist_enabled=false")
+    assert isinstance(config, dict)
+    return config

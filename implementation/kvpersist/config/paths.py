@@ -1,0 +1,8 @@
+"""Where the configuration templates are: package data, so an installed wheel has them too
+(``configs/generic`` in a checkout is a link to the same folder)."""
+
+from pathlib import Path
+
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
+SERVER_TEMPLATE = TEMPLATES_DIR / "lmcache-server.env"
+ADAPTER_TEMPLATES = TEMPLATES_DIR / "l2-adapters.json"

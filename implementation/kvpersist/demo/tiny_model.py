@@ -1,0 +1,140 @@
+"""Build the tiny Llama-architecture model used by the CPU demo and the tests, with no downloads.
+
+Invariants
+----------
+* The model is written in the Hugging Face cache layout
+  ``<out>/models--kvpersist--tiny-llama/snapshots/<revision>/``, where ``<revision>`` is the
+  sha1 over the sorted file names and bytes of the snapshot (a content address, 40 hex
+  digits like a hub commit SHA).  Building twice with the same pinned torch/transformers
+  gives the same bytes and so the same revision; ``configs/tiny-llama/identity.env`` pins it.
+* The tokenizer is byte-level (one token per UTF-8 byte, plus the chat special tokens), so a
+  prompt of N ASCII characters is about N tokens.
+* head_dim is 32 (vLLM's CPU attention needs ≥ 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+MODEL_ID = "kvpersist/tiny-llama"
+#: The pins of the model this module builds (package data; ``configs/tiny-llama`` links here).
+TINY_PINS = Path(__file__).resolve().parent / "tiny-llama" / "identity.env"
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MAX_POS = 128, 2, 4, 2, 32, 2048
+
+
+def content_revision(folder: Path) -> str:
+    """sha1 over (relative name, size, bytes) of every file under ``folder``, sorted by name."""
+    digest = hashlib.sha1()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix().encode()
+        digest.update(len(rel).to_bytes(8, "little") + rel)
+        data = path.read_bytes()
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
+
+
+def _write_tokenizer(folder: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(byte_alphabet):
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        model_max_length=MAX_POS,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(folder))
+    # Keep the template in tokenizer_config.json (one source), not a separate jinja file.
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["chat_template"] = jinja.read_text()
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        jinja.unlink()
+    return len(vocab)
+
+
+def _write_model(folder: Path, vocab_size: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=4 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(20261129)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.5)
+    model.to(torch.float32)
+    model.save_pretrained(str(folder), safe_serialization=True)
+
+
+def build_tiny_model(out_dir: str | Path) -> Path:
+    """Build (or reuse) the tiny model under ``out_dir``; return its snapshot folder."""
+    out = Path(out_dir)
+    repo_dir = out / ("models--" + MODEL_ID.replace("/", "--"))
+    snapshots = repo_dir / "snapshots"
+    with tempfile.TemporaryDirectory(dir=out if out.exists() else None) as tmp:
+        staging = Path(tmp) / "snapshot"
+        staging.mkdir()
+        vocab_size = _write_tokenizer(staging)
+        _write_model(staging, vocab_size)
+        revision = content_revision(staging)
+        final = snapshots / revision
+        if not final.is_dir():
+            snapshots.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(staging), str(final))
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(revision)
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpersist.demo.tiny_model",
+        description="Build the tiny random-weight Llama model (byte tokenizer, chat template) "
+        "in HF cache layout and print its snapshot folder. No network access is used.",
+    )
+    parser.add_argument("out_dir", help="folder to build into (the HF-cache-style root)")
+    args = parser.parse_args(argv)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    print(build_tiny_model(args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,284 @@
+"""kvpersist's LMCache L2 adapter: a verified, restart-safe file tier (LMCache plugin adapter).
+
+Load it through LMCache's plugin adapter type::
+
+    {"type": "plugin", "module_path": "kvpersist.l2.adapter",
+     "class_name": "KvPersistL2Adapter", "config_class_name": "KvPersistL2AdapterConfig",
+     "adapter_params": {"path": "/nvme/kvcache", "max_capacity_gb": 1500},
+     "persist_enabled": true,
+     "eviction": {"eviction_policy": "LRU", "trigger_watermark": 0.9, "eviction_ratio": 0.1}}
+
+(``kvpersist.l2_adapter``, the module path of earlier releases, still names the same classes.)
+
+Invariants (the store's, see :mod:`kvpersist.l2.store`, plus):
+
+* A load task sets a key's bit only when :meth:`KvFileStore.read_into` verified its bytes.
+* A lookup sets a key's bit only if the file is indexed (or present on disk during the scan).
+* LMCache's byte accounting (``_notify_keys_stored``/``_notify_keys_deleted``) receives exactly
+  the index changes of the store, so ``get_usage()`` equals the on-disk bytes of the index,
+  after a restart too (the scan re-announces every file, oldest access first, for LRU order).
+* Every submitted task completes and signals its event fd, even if an I/O call raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from ..config import values
+from ..config.values import SettingsError
+from .layout import KeyFields
+from .store import KvFileStore
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+    from lmcache.v1.memory_management import MemoryObj
+
+logger = logging.getLogger("kvpersist.l2")
+_GB = 1024**3
+
+
+_KNOWN_PARAMS = {"path", "max_capacity_gb", "sharded", "fsync", "io_threads",
+                 "quarantine_max_files"}
+
+
+class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
+    """Config of the kvpersist L2 adapter (``adapter_params`` of the plugin entry)."""
+
+    def __init__(self, path: str, max_capacity_gb: float, *, sharded: bool = False,
+                 fsync: bool = False, io_threads: int = 4, quarantine_max_files: int = 1024) -> None:
+        self.path = path
+        self.max_capacity_gb = max_capacity_gb
+        self.sharded = sharded
+        self.fsync = fsync
+        self.io_threads = io_threads
+        self.quarantine_max_files = quarantine_max_files
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KvPersistL2AdapterConfig:
+        """Strict: unknown keys and bad values raise ValueError naming the field (and ``help``)."""
+        unknown = sorted(set(d) - _KNOWN_PARAMS)
+        if unknown:
+            raise ValueError(f"kvpersist L2 adapter: unknown keys {unknown}; {cls.help()}")
+        path = d.get("path")
+        if not isinstance(path, str) or not path:
+            raise ValueError("kvpersist L2 adapter: path must be a non-empty string")
+        try:
+            return cls(
+                path,
+                values.positive_float("max_capacity_gb", d.get("max_capacity_gb", 0)),
+                sharded=values.boolean("sharded", d.get("sharded", False)),
+                fsync=values.boolean("fsync", d.get("fsync", False)),
+                io_threads=values.positive_int("io_threads", d.get("io_threads", 4)),
+                quarantine_max_files=values.positive_int(
+                    "quarantine_max_files", d.get("quarantine_max_files", 1024)),
+            )
+        except SettingsError as exc:
+            raise ValueError(f"kvpersist L2 adapter: {exc}") from None
+
+    @classmethod
+    def help(cls) -> str:
+        return (
+            "kvpersist L2 adapter config fields:\n"
+            "- path (str): KVP_CACHE_ROOT, the directory of the .kvp files (required)\n"
+            "- max_capacity_gb (float): hard cap in GiB, header overhead included (required)\n"
+            "- sharded (bool): two-level ab/cd/ directories by chunk hash (default false)\n"
+            "- fsync (bool): fsync each file before publishing (default false; the checksum\n"
+            "  already turns a torn write after power loss into a miss)\n"
+            "- io_threads (int): parallel file I/O threads (default 4)\n"
+            "- quarantine_max_files (int): beyond this, corrupt files are removed, not kept"
+        )
+
+
+def to_fields(key: ObjectKey) -> KeyFields:
+    return KeyFields(key.model_name, key.kv_rank, key.object_group_id, bytes(key.chunk_hash),
+                     key.cache_salt)
+
+
+def to_object_key(fields: KeyFields) -> ObjectKey:
+    return ObjectKey(chunk_hash=fields.chunk_hash, model_name=fields.model_name,
+                     kv_rank=fields.kv_rank, object_group_id=fields.object_group_id,
+                     cache_salt=fields.cache_salt)
+
+
+def _layout_of(obj: Any) -> dict[str, Any]:
+    try:
+        meta = obj.metadata
+        return {"shape": [int(x) for x in meta.shape], "dtype": str(meta.dtype)}
+    except Exception:  # layout is informational only; never fail a store over it
+        return {}
+
+
+class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
+    """LMCache L2 adapter over :class:`KvFileStore` (see module invariants)."""
+
+    def __init__(self, config: KvPersistL2AdapterConfig, l1_memory_desc: Any = None) -> None:
+        super().__init__(max_capacity_bytes=int(config.max_capacity_gb * _GB))
+        self._config = config
+        self._store = KvFileStore(
+            config.path, int(config.max_capacity_gb * _GB), sharded=config.sharded,
+            fsync=config.fsync, quarantine_max_files=config.quarantine_max_files,
+            on_added=self._announce_added, on_removed=self._announce_removed)
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self._lock = threading.Lock()
+        self._next_id: L2TaskId = 0
+        self._done_store: dict[L2TaskId, L2StoreResult] = {}
+        self._done_lookup: dict[L2TaskId, Bitmap] = {}
+        self._done_load: dict[L2TaskId, Bitmap] = {}
+        self._pool = ThreadPoolExecutor(max_workers=config.io_threads,
+                                        thread_name_prefix="kvpersist-l2-io")
+        self._store.open(background_scan=True)
+        logger.info("kvpersist L2 adapter on %s: capacity %.3f GiB, sharded=%s",
+                    config.path, config.max_capacity_gb, config.sharded)
+
+    # -- accounting bridge
+    def _announce_added(self, keys: list[KeyFields], sizes: list[int]) -> None:
+        self._notify_keys_stored([to_object_key(k) for k in keys], sizes)
+
+    def _announce_removed(self, keys: list[KeyFields], sizes: list[int]) -> None:
+        self._notify_keys_deleted([to_object_key(k) for k in keys], sizes)
+
+    # -- event fds
+    def get_store_event_fd(self) -> int:
+        return int(self._store_efd.fileno())
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return int(self._lookup_efd.fileno())
+
+    def get_load_event_fd(self) -> int:
+        return int(self._load_efd.fileno())
+
+    def _new_id(self) -> L2TaskId:
+        with self._lock:
+            tid = self._next_id
+            self._next_id += 1
+            return tid
+
+    # -- store
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        tid = self._new_id()
+        self._pool.submit(self._run_store, tid, list(keys), list(objects))
+        return tid
+
+    def _run_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
+        ok, written = True, 0
+        try:
+            for key, obj in zip(keys, objects, strict=True):
+                outcome = self._store.put(to_fields(key), obj.byte_array, _layout_of(obj))
+                if outcome == "stored":
+                    written += len(memoryview(obj.byte_array).cast("B"))
+                elif outcome != "exists":
+                    ok = False
+        except Exception:
+            logger.exception("kvpersist L2 store task %d failed", tid)
+            ok = False
+        with self._lock:
+            self._done_store[tid] = L2StoreResult(ok, written)
+        self._store_efd.notify()
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._done_store = self._done_store, {}
+        return done
+
+    # -- lookup
+    def submit_lookup_and_lock_task(self, keys: list[ObjectKey],
+                                    group_layout_descs: dict[int, MemoryLayoutDesc]) -> L2TaskId:
+        tid = self._new_id()
+        self._pool.submit(self._run_lookup, tid, list(keys))
+        return tid
+
+    def _run_lookup(self, tid: L2TaskId, keys: list[ObjectKey]) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            for i, key in enumerate(keys):
+                if self._store.contains(to_fields(key)):
+                    bitmap.set(i)
+        except Exception:
+            logger.exception("kvpersist L2 lookup task %d failed", tid)
+        with self._lock:
+            self._done_lookup[tid] = bitmap
+        self._lookup_efd.notify()
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._done_lookup.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        # No per-key locks: a delete racing lookup→load turns that load into a verified miss.
+        return None
+
+    # -- load
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        tid = self._new_id()
+        self._pool.submit(self._run_load, tid, list(keys), list(objects))
+        return tid
+
+    def _run_load(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
+        bitmap = Bitmap(len(keys))
+        loaded: list[ObjectKey] = []
+        try:
+            for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
+                if self._store.read_into(to_fields(key), obj.byte_array):
+                    bitmap.set(i)
+                    loaded.append(key)
+        except Exception:
+            logger.exception("kvpersist L2 load task %d failed", tid)
+        if loaded:
+            self._notify_keys_accessed(loaded)
+        with self._lock:
+            self._done_load[tid] = bitmap
+        self._load_efd.notify()
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._done_load.pop(task_id, None)
+
+    # -- eviction, listing, status
+    def delete(self, keys: list[ObjectKey]) -> None:
+        for key in keys:
+            self._store.delete(to_fields(key))
+
+    def list_l2_keys(self, model_name: str | None = None, page_size: int = 500,
+                     cursor: str | None = None) -> KeyListPage:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive (got {page_size})")
+        try:
+            offset = int(cursor) if cursor is not None else 0
+        except ValueError:
+            raise ValueError(f"malformed cursor {cursor!r}") from None
+        if offset < 0:
+            raise ValueError(f"malformed cursor {cursor!r}")
+        page, next_offset = self._store.list_keys(model_name, offset, page_size)
+        entries = tuple(KeyEntry(key=to_object_key(k).to_encoded_object_key(), size_bytes=size)
+                        for k, size in page)
+        return KeyListPage(entries=entries,
+                           next_page_token=None if next_offset is None else str(next_offset))
+
+    def report_status(self) -> dict[str, Any]:
+        status = self._store.status()
+        status.update({"is_healthy": True, "type": "KvPersistL2Adapter"})
+        return status
+
+    @property
+    def store(self) -> KvFileStore:
+        return self._store
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+        self._store.close()
+        self._store_efd.close()
+        self._lookup_efd.close()
+        self._load_efd.close()
+        logger.info("kvpersist L2 adapter closed")

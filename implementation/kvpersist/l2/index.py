@@ -1,0 +1,156 @@
+"""The store's bookkeeping: which keys have a published file, their accounted sizes, the bytes
+reserved by stores in flight; no I/O.
+
+Invariants (all under one lock)
+-------------------------------
+* ``used_bytes`` is the sum of the sizes in the index; ``reserved_bytes`` the sum of the
+  reservations of stores in flight.
+* Once the index is complete (the start-up scan has finished), ``used + reserved <= capacity``
+  always holds: a store reserves its size first and is refused if it does not fit; a finished
+  store turns its reservation into usage in one critical section, so the sum never dips.
+  While it is incomplete, every reservation is refused (the count is not yet known).
+* ``on_added``/``on_removed`` are called outside the lock, once per change, with exactly the
+  keys and sizes that entered or left ``used_bytes``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from enum import Enum
+
+from .layout import KeyFields, format_name
+
+KeysCallback = Callable[[list[KeyFields], list[int]], None]
+
+
+class Reservation(Enum):
+    GRANTED = "granted"
+    EXISTS = "exists"
+    REJECTED_SCANNING = "rejected-scanning"
+    REJECTED_CAPACITY = "rejected-capacity"
+
+
+def _ignore(keys: list[KeyFields], sizes: list[int]) -> None:
+    return None
+
+
+class KeyIndex:
+    """key → accounted size (header included), with reservations (see module invariants)."""
+
+    def __init__(self, capacity_bytes: int, *, on_added: KeysCallback | None = None,
+                 on_removed: KeysCallback | None = None) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.capacity_bytes = int(capacity_bytes)
+        self._on_added = on_added or _ignore
+        self._on_removed = on_removed or _ignore
+        self._lock = threading.Lock()
+        self._sizes: dict[KeyFields, int] = {}
+        self._used = 0
+        self._reserved = 0
+        self._complete = False
+        self._version = 0
+        self._sorted: tuple[int, list[KeyFields]] | None = None
+
+    # -- state
+    def mark_complete(self) -> None:
+        with self._lock:
+            self._complete = True
+
+    @property
+    def complete(self) -> bool:
+        with self._lock:
+            return self._complete
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    @property
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return self._reserved
+
+    def totals(self) -> tuple[int, int, int]:
+        """(files, used bytes, reserved bytes), consistent with each other."""
+        with self._lock:
+            return len(self._sizes), self._used, self._reserved
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._sizes
+
+    def snapshot(self) -> dict[KeyFields, int]:
+        with self._lock:
+            return dict(self._sizes)
+
+    # -- stores
+    def reserve(self, key: KeyFields, size: int) -> Reservation:
+        with self._lock:
+            if key in self._sizes:
+                return Reservation.EXISTS
+            if not self._complete:
+                return Reservation.REJECTED_SCANNING
+            if self._used + self._reserved + size > self.capacity_bytes:
+                return Reservation.REJECTED_CAPACITY
+            self._reserved += size
+            return Reservation.GRANTED
+
+    def release(self, size: int) -> None:
+        with self._lock:
+            self._reserved -= size
+
+    def commit(self, key: KeyFields, size: int) -> None:
+        """A granted store published its file: its reservation becomes usage."""
+        self.add([(key, size)], release_reserved=size)
+
+    # -- changes
+    def add(self, items: Iterable[tuple[KeyFields, int]], *, release_reserved: int = 0) -> int:
+        """Add entries not yet present; returns how many were added."""
+        keys: list[KeyFields] = []
+        sizes: list[int] = []
+        with self._lock:
+            self._reserved -= release_reserved
+            for key, size in items:
+                if key in self._sizes:
+                    continue
+                self._sizes[key] = size
+                self._used += size
+                keys.append(key)
+                sizes.append(size)
+            if keys:
+                self._version += 1
+        if keys:
+            self._on_added(keys, sizes)
+        return len(keys)
+
+    def remove(self, key: KeyFields) -> int | None:
+        """Drop ``key``; its accounted size, or None if it was not indexed."""
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._used -= size
+                self._version += 1
+        if size is not None:
+            self._on_removed([key], [size])
+        return size
+
+    # -- listing
+    def page(self, model_name: str | None, offset: int, limit: int
+             ) -> tuple[list[tuple[KeyFields, int]], int | None]:
+        """A page of (key, size) sorted by file name; returns the next offset or None."""
+        with self._lock:
+            if self._sorted is None or self._sorted[0] != self._version:
+                self._sorted = (self._version, sorted(self._sizes, key=format_name))
+            ordered = self._sorted[1]
+            if model_name is not None:
+                ordered = [k for k in ordered if k.model_name == model_name]
+            page = [(k, self._sizes[k]) for k in ordered[offset:offset + limit] if k in self._sizes]
+        next_offset = offset + limit if offset + limit < len(ordered) else None
+        return page, next_offset

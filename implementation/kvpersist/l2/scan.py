@@ -1,0 +1,56 @@
+"""The start-up scan: what the data directories of a root hold, by names and sizes only.
+
+Invariants
+----------
+* Only data directories count (:func:`kvpersist.l2.layout.is_data_dir`): the root and, when
+  sharded, ``root/xx/yy``; ``quarantine/`` and operator folders are never data.
+* Only ``.kvp`` files whose names parse are data; unparsable ``.kvp`` names are counted.
+* Keys come back least recently used first (file mtime = last access), so announcing them in
+  that order restores LMCache's LRU order after a restart.
+* Temp leftovers in data directories are removed only when ``remove_temps`` is set: by the
+  store that holds the root's lock, never by a reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .inventory import LIVE, TEMP, UNPARSABLE, build_inventory
+from .layout import SUFFIX, KeyFields, is_data_dir
+
+
+@dataclass
+class ScanResult:
+    keys: list[KeyFields]  # least recently used first
+    sizes: list[int]
+    temp_files: list[str]  # temp leftovers found in data directories
+    temp_removed: int
+    unparsable_names: int
+
+
+def scan_root(root: Path, *, sharded: bool, remove_temps: bool) -> ScanResult:
+    """Walk ``root`` (with :mod:`kvpersist.l2.inventory`'s walker, C when built)."""
+    inv = build_inventory(root)
+    base = str(root)
+    data = np.array([is_data_dir(base, d, sharded) for d in inv.dirs], bool)[inv.dir_idx] \
+        if inv.dirs else np.zeros(0, bool)
+    temps = [inv.file(int(row)).fspath for row in np.flatnonzero(data & (inv.cls == TEMP))]
+    removed = 0
+    if remove_temps:
+        for path in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed += 1
+    # ".kvp", not nixl_store_dynamic's ".bin": the third byte from each name's end (only read
+    # for live/unparsable rows, whose names end in one of the two suffixes).
+    kvp = np.frombuffer(inv.names, np.uint8)[np.maximum(inv.name_end - 3, 0)] == ord(SUFFIX[1]) \
+        if len(inv) else np.zeros(0, bool)
+    unparsable = int(np.count_nonzero(data & kvp & (inv.cls == UNPARSABLE)))
+    live = np.flatnonzero(data & kvp & (inv.cls == LIVE))
+    live = live[np.argsort(inv.mtime_ns[live], kind="stable")]  # oldest access first = LRU
+    return ScanResult(inv.keys(live), inv.size[live].tolist(), temps, removed, unparsable)

@@ -1,0 +1,63 @@
+"""The store's counters since start.
+
+Invariant: every update goes through :meth:`StoreStats.add` or :meth:`StoreStats.failed`, under
+the counters' own lock, so concurrent I/O threads never lose a count; :meth:`as_dict` is a
+consistent copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StoreStats:
+    """Counters since start; ``verify_failures`` is keyed by reason tag."""
+
+    stores: int = 0
+    stored_bytes: int = 0
+    store_exists: int = 0
+    rejected_capacity: int = 0
+    rejected_scanning: int = 0
+    rejected_disk_full: int = 0
+    store_errors: int = 0
+    loads: int = 0
+    load_hits: int = 0
+    load_misses: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    quarantined: int = 0
+    evicted: int = 0
+    temp_removed: int = 0
+    unparsable_names: int = 0
+    verify_failures: Counter[str] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            self.verify_failures[reason] += 1
+            self.quarantined += 1
+            self.load_misses += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if not f.name.startswith("_")}
+        failures: Counter[str] = out.pop("verify_failures")
+        out["rejected"] = out["rejected_capacity"] + out["rejected_scanning"] \
+            + out["rejected_disk_full"]
+        out["load_seconds"] = round(out["load_seconds"], 6)
+        out["verify_seconds"] = round(out["verify_seconds"], 6)
+        out["verify_failures"] = sum(failures.values())
+        out["verify_failures_by_reason"] = dict(failures)
+        return out

@@ -1,0 +1,364 @@
+"""The verified file store behind the kvpersist L2 adapter: a small facade over the layout, the
+file operations, the index and the scan (no LMCache dependency).
+
+Invariants
+----------
+* **Never wrong bytes**: :meth:`KvFileStore.read_into` returns True only after
+  :func:`~kvpersist.l2.files.read_verified` accepted the file.  Any failure is a miss; the file
+  is moved to ``quarantine/`` (or removed once ``quarantine_max_files`` are kept) and counted,
+  so the next store of that key writes a good file (repair).
+* **Atomic publish**: readers see no file or a complete one; a failed store leaves no temp file.
+  Leftovers of a killed process are removed by the start-up scan, which runs only while this
+  store holds the root's lock.
+* **Exact accounting**: the index holds exactly the files published or found by the scan, and
+  its byte count is the sum of their on-disk sizes (header included); the cap holds as stated
+  in :mod:`kvpersist.l2.index`.  While the start-up scan runs, stores are refused (counted as
+  ``rejected_scanning``) and lookups are answered from the disk.
+* **One writer per root** (:mod:`kvpersist.l2.lock`).
+* :meth:`check` finds nothing wrong whenever no store, load or delete is in flight; every store
+  test ends on it (python-diskcache's ``Cache.check()`` is the model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .files import (
+    DISK_FULL,
+    publish,
+    quarantine_file,
+    quarantined_origin,
+    read_verified,
+    verify_file,
+)
+from .format import HEADER_SIZE
+from .index import KeyIndex, KeysCallback, Reservation
+from .layout import QUARANTINE_DIR, FormatError, KeyFields, parse_name, shard_path_parts
+from .lock import RootLockedError, take_root_lock
+from .scan import scan_root
+from .stats import StoreStats
+
+__all__ = ["KvFileStore", "RootLockedError", "StoreStats"]
+
+logger = logging.getLogger("kvpersist.l2")
+#: Failures that depend on what the reader expected (the payload length LMCache asked for), so a
+#: quarantined file of that kind may still pass its own checks.
+_READER_DEPENDENT = ("length-mismatch",)
+_REFUSAL_COUNTER = {Reservation.EXISTS: "store_exists",
+                    Reservation.REJECTED_SCANNING: "rejected_scanning",
+                    Reservation.REJECTED_CAPACITY: "rejected_capacity"}
+
+
+class KvFileStore:
+    """Files under ``root``, one per key, verified on every read (see module invariants)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        capacity_bytes: int,
+        *,
+        sharded: bool = False,
+        fsync: bool = False,
+        quarantine_max_files: int = 1024,
+        on_added: KeysCallback | None = None,
+        on_removed: KeysCallback | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.sharded = sharded
+        self.fsync = fsync
+        self.quarantine_max_files = quarantine_max_files
+        self.index = KeyIndex(capacity_bytes, on_added=on_added, on_removed=on_removed)
+        self.stats = StoreStats()
+        self._lock_fd = -1
+        self._scan_thread: threading.Thread | None = None
+        self._scan_error: str | None = None
+        self._scan_seconds: float | None = None
+        self._scanned_files = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.index.capacity_bytes
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self, *, background_scan: bool = True) -> None:
+        """Take the root lock and start the scan (names and sizes only)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.root / QUARANTINE_DIR).mkdir(mode=0o700, exist_ok=True)
+        self._lock_fd = take_root_lock(self.root)
+        if background_scan:
+            self._scan_thread = threading.Thread(target=self._scan, name="kvpersist-l2-scan",
+                                                 daemon=True)
+            self._scan_thread.start()
+        else:
+            self._scan()
+
+    def close(self) -> None:
+        if self._scan_thread is not None:
+            self._scan_thread.join(timeout=30)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def wait_scan(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.index.complete:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    @property
+    def scan_done(self) -> bool:
+        return self.index.complete
+
+    def _scan(self) -> None:
+        began = time.monotonic()
+        try:
+            found = scan_root(self.root, sharded=self.sharded, remove_temps=True)
+            self.stats.add(temp_removed=found.temp_removed,
+                           unparsable_names=found.unparsable_names)
+            batch = 4096
+            for start in range(0, len(found.keys), batch):
+                self.index.add(zip(found.keys[start:start + batch],
+                                   found.sizes[start:start + batch], strict=True))
+            self._scanned_files = len(found.keys)
+        except Exception as exc:  # keep serving lookups; report the failure
+            self._scan_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("kvpersist L2 scan of %s failed", self.root)
+        finally:
+            self._scan_seconds = time.monotonic() - began
+            self.index.mark_complete()
+            logger.info("kvpersist L2 scan of %s: %d files, %d bytes, %.2fs",
+                        self.root, len(self.index), self.index.used_bytes, self._scan_seconds)
+
+    # ------------------------------------------------------------------ paths
+
+    def path_for(self, key: KeyFields) -> Path:
+        return self.root.joinpath(*shard_path_parts(key, self.sharded))
+
+    @property
+    def used_bytes(self) -> int:
+        return self.index.used_bytes
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    # ------------------------------------------------------------------ lookup
+
+    def contains(self, key: KeyFields) -> bool:
+        """True if a file for ``key`` is known (or, during the scan, present on disk)."""
+        if key in self.index:
+            return True
+        if self.index.complete:
+            return False
+        try:
+            st = os.stat(self.path_for(key), follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        self.index.add([(key, st.st_size)])
+        return True
+
+    # ------------------------------------------------------------------ store
+
+    def put(self, key: KeyFields, payload: Any, layout: dict[str, Any] | None = None) -> str:
+        """Publish ``payload`` for ``key``.  Returns 'stored', 'exists' or a rejection tag."""
+        data = memoryview(payload).cast("B")
+        size = HEADER_SIZE + data.nbytes
+        granted = self.index.reserve(key, size)
+        if granted is not Reservation.GRANTED:
+            self.stats.add(**{_REFUSAL_COUNTER[granted]: 1})
+            return str(granted.value)
+        try:
+            outcome = self._write(key, data, layout)
+        except BaseException:
+            self.index.release(size)
+            raise
+        if outcome == "stored":
+            self.index.commit(key, size)
+            self.stats.add(stores=1, stored_bytes=size)
+        else:
+            self.index.release(size)
+        return outcome
+
+    def _write(self, key: KeyFields, data: memoryview, layout: dict[str, Any] | None) -> str:
+        final = self.path_for(key)
+        try:
+            if self.sharded:
+                final.parent.mkdir(parents=True, exist_ok=True)
+            publish(final, key, data, layout, fsync=self.fsync)
+            return "stored"
+        except OSError as exc:
+            if exc.errno in DISK_FULL:
+                self.stats.add(rejected_disk_full=1)
+                logger.warning("kvpersist L2: disk full, store of %s rejected", final.name)
+                return "rejected-disk-full"
+            self.stats.add(store_errors=1)
+            logger.warning("kvpersist L2: store of %s failed: %s", final.name, exc)
+            return "error"
+
+    # ------------------------------------------------------------------ load
+
+    def read_into(self, key: KeyFields, buf: Any) -> bool:
+        """Fill ``buf`` with the verified payload of ``key``; False (a miss) otherwise."""
+        began = time.perf_counter()
+        path = self.path_for(key)
+        out = memoryview(buf).cast("B")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            self.index.remove(key)  # vanished (cleanup, eviction race): an ordinary miss
+            self.stats.add(loads=1, load_misses=1)
+            return False
+        try:
+            verify_seconds = read_verified(fd, key, out)
+        except FormatError as exc:
+            os.close(fd)
+            self.stats.add(loads=1)
+            self._quarantine(path, key, exc.reason, str(exc))
+            return False
+        except OSError as exc:
+            os.close(fd)
+            logger.warning("kvpersist L2: read of %s failed: %s", path.name, exc)
+            self.stats.add(loads=1, load_misses=1)
+            return False
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # last access, so the LRU order survives restarts
+        self.stats.add(loads=1, load_hits=1, loaded_bytes=out.nbytes,
+                       verify_seconds=verify_seconds,
+                       load_seconds=time.perf_counter() - began)
+        return True
+
+    def _quarantine(self, path: Path, key: KeyFields, reason: str, detail: str) -> None:
+        self.stats.failed(reason)
+        try:
+            count = sum(1 for _ in os.scandir(self.root / QUARANTINE_DIR))
+        except OSError:
+            count = self.quarantine_max_files
+        try:
+            if count < self.quarantine_max_files:
+                action = f"moved to {quarantine_file(self.root, path, reason)}"
+            else:
+                os.unlink(path)
+                action = "removed (quarantine full)"
+        except FileNotFoundError:
+            action = "already gone"
+        except OSError as exc:
+            action = f"could not be moved ({exc.strerror})"
+        self.index.remove(key)
+        logger.warning("kvpersist L2: verification failed for %s (%s); a miss, file %s",
+                       path.name, detail, action)
+
+    # ------------------------------------------------------------------ delete / list
+
+    def delete(self, key: KeyFields) -> int | None:
+        """Remove ``key``'s file; returns its accounted size, or None if it was not indexed."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path_for(key))
+        size = self.index.remove(key)
+        if size is not None:
+            self.stats.add(evicted=1)
+        return size
+
+    def list_keys(self, model_name: str | None, offset: int, limit: int
+                  ) -> tuple[list[tuple[KeyFields, int]], int | None]:
+        """A page of (key, size) sorted by file name; returns the next offset or None."""
+        return self.index.page(model_name, offset, limit)
+
+    # ------------------------------------------------------------------ status / check
+
+    def status(self) -> dict[str, Any]:
+        files, used, reserved = self.index.totals()
+        quarantine_files = quarantine_bytes = 0
+        with contextlib.suppress(OSError), os.scandir(self.root / QUARANTINE_DIR) as entries:
+            for entry in entries:
+                quarantine_files += 1
+                with contextlib.suppress(OSError):
+                    quarantine_bytes += entry.stat(follow_symlinks=False).st_size
+        return {
+            "root": str(self.root),
+            "sharded": self.sharded,
+            "files": files,
+            "used_bytes": used,
+            "reserved_bytes": reserved,
+            "capacity_bytes": self.capacity_bytes,
+            "usage_fraction": used / self.capacity_bytes,
+            "scan_done": self.index.complete,
+            "scan_seconds": self._scan_seconds,
+            "scan_error": self._scan_error,
+            "scanned_files": self._scanned_files,
+            **self.stats.as_dict(),
+            "quarantine_files": quarantine_files,
+            "quarantine_bytes": quarantine_bytes,
+        }
+
+    def check(self, *, deep: bool = False) -> list[str]:
+        """Consistency problems of the quiescent store; an empty list means none.
+
+        Checked: the scan finished without error; the index equals the published files on
+        disk (same keys, each size equal to the file's size); the byte count equals the sum of
+        those sizes and no reservation is left; no temp file remains in a data directory;
+        quarantine holds only files that fail verification under their original name (or
+        failed the reader's expected length).
+        ``deep`` also verifies every indexed file's header and checksum.
+        """
+        problems: list[str] = []
+        if not self.index.complete:
+            return ["the start-up scan has not finished"]
+        if self._scan_error is not None:
+            problems.append(f"the start-up scan failed: {self._scan_error}")
+        on_disk = scan_root(self.root, sharded=self.sharded, remove_temps=False)
+        disk = dict(zip(on_disk.keys, on_disk.sizes, strict=True))
+        indexed = self.index.snapshot()
+        files, used, reserved = self.index.totals()
+        for key in sorted(indexed.keys() - disk.keys(), key=repr):
+            problems.append(f"indexed but not on disk: {self.path_for(key)}")
+        for key in sorted(disk.keys() - indexed.keys(), key=repr):
+            problems.append(f"on disk but not indexed: {self.path_for(key)}")
+        for key in sorted(indexed.keys() & disk.keys(), key=repr):
+            if indexed[key] != disk[key]:
+                problems.append(f"size of {self.path_for(key)}: indexed {indexed[key]}, "
+                                f"on disk {disk[key]}")
+        if used != sum(indexed.values()) or files != len(indexed):
+            problems.append(f"byte count {used} != sum of indexed sizes {sum(indexed.values())}")
+        if reserved != 0:
+            problems.append(f"{reserved} bytes still reserved with no store in flight")
+        problems += [f"temp file left: {path}" for path in on_disk.temp_files]
+        problems += self._check_quarantine()
+        if deep:
+            for key in sorted(indexed, key=repr):
+                reason, _ = verify_file(self.path_for(key), key)
+                if reason is not None:
+                    problems.append(f"{self.path_for(key)} fails verification: {reason}")
+        return problems
+
+    def _check_quarantine(self) -> Iterator[str]:
+        qdir = self.root / QUARANTINE_DIR
+        try:
+            entries = sorted(os.scandir(qdir), key=lambda e: e.name)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            origin = quarantined_origin(entry.name)
+            if origin is None or not stat.S_ISREG(entry.stat(follow_symlinks=False).st_mode):
+                yield f"not a quarantined cache file: {entry.path}"
+                continue
+            name, why = origin
+            if why in _READER_DEPENDENT:
+                continue  # the file failed the reader's expectation, not its own checks
+            try:
+                key = parse_name(name)
+            except FormatError:
+                continue  # its name was the failure
+            reason, _ = verify_file(Path(entry.path), key)
+            if reason is None:
+                yield f"quarantined but verifies: {entry.path}"

@@ -1,0 +1,317 @@
+"""kvpersist's vLLM KV connector: LMCache's MP connector behind a fail-closed identity gate.
+
+vLLM loads it with ``--kv-transfer-config`` ``{"kv_connector": "KvPersistConnector",
+"kv_connector_module_path": "kvpersist.connector", ...}`` (``kvp-vllm`` writes this).  Its
+``kvpersist.*`` extra-config keys are parsed by :class:`kvpersist.config.client.ConnectorOptions`.
+
+Shape: composition.  :class:`KvPersistConnector` is the class vLLM instantiates; in ``__init__``
+the gate (:mod:`kvpersist.serving.gate`) chooses what it holds in ``inner``: a
+:class:`NamespacedLMCacheConnector` (caching on) or a :class:`DisabledKvConnector` (off), and
+every method of vLLM's connector API forwards to it (the forwarders are generated from
+``KVConnectorBase_V1`` so that none is missed).  vLLM calls a few class methods on the class
+itself before any instance exists (layout, stats, Prometheus metrics); they are LMCache's.
+
+Invariants
+----------
+* The identity is derived from the running engine's ``VllmConfig`` and checked against the
+  pins, in every process that builds a connector (scheduler and each worker), the same way.
+* With a complete, agreeing identity, LMCache sees ``<model id>/<namespace>`` as the model
+  name, so every object key, and every L2 file name, carries the namespace.
+* Otherwise, and also when a ``kvpersist.*`` setting is malformed, the connector holds a
+  :class:`DisabledKvConnector`: it never contacts the LMCache server, reports no external hits,
+  stores nothing, and logs the reason.  vLLM keeps serving.
+* **The scheduler never promises hits that no worker loads.**  Each worker reports whether its
+  gate opened through vLLM's worker→scheduler handshake (:meth:`get_handshake_metadata`, which
+  the engine collects after the workers registered their KV caches and hands to the scheduler's
+  connector before serving starts); a scheduler that learns of a closed worker closes too.  No
+  state is kept outside the processes.
+* **A dead cache service never stalls serving.**  A request waits at most
+  ``kvpersist.lookup_timeout_s`` for its lookup; then it bypasses the cache and is recomputed.
+  LMCache's heartbeat marks the server unhealthy and, once it answers again, re-registers the
+  KV caches, so caching resumes without restarting vLLM.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
+from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from ..config.client import ConnectorOptions
+from ..identity import CacheIdentity
+from .gate import decide, record_identity
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("vllm.kvpersist.connector")  # inherits vLLM's log handler
+
+
+def with_model_name(vllm_config: Any, model_name: str) -> Any:
+    """A shallow copy of ``vllm_config`` whose ``model_config.model`` is ``model_name``.
+
+    LMCache's connector takes its cache model name from ``model_config.model`` and reads
+    nothing else from that attribute; all other config objects are shared, not copied.
+    """
+    cfg = copy.copy(vllm_config)
+    model_config = copy.copy(vllm_config.model_config)
+    object.__setattr__(model_config, "model", model_name)
+    object.__setattr__(cfg, "model_config", model_config)
+    return cfg
+
+
+@dataclass(frozen=True)
+class WorkerGateState(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """What a worker tells its scheduler through vLLM's handshake: did its gate open?"""
+
+    caching: bool
+    reason: str | None = None
+
+
+class _NoMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Metadata of a disabled connector: there is never anything to transfer."""
+
+
+class DisabledKvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """A connector that does nothing: no hits, no stores, no server contact."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None,
+                 *, reason: str = "") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.disabled_reason = reason
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return _NoMetadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        return None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+
+class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
+    """LMCache's MP connector with ``<model id>/<namespace>`` as model name and a bounded lookup."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
+                 *, identity: CacheIdentity, options: ConnectorOptions) -> None:
+        super().__init__(with_model_name(vllm_config, identity.lmcache_model_name()), role,
+                         kv_cache_config)
+        self.kvp_identity = identity
+        self._kvp_lookup_timeout_s = options.lookup_timeout_s
+        self._kvp_lookup_began: dict[str, float] = {}
+        self.kvp_bypassed_requests = 0
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """LMCache's lookup, bounded by ``kvpersist.lookup_timeout_s``: past it, or while the
+        heartbeat says the server is down, the request bypasses the cache (a recompute)."""
+        rid = request.request_id
+        began = self._kvp_lookup_began.setdefault(rid, time.monotonic())
+        waited = time.monotonic() - began
+        if waited > self._kvp_lookup_timeout_s or not self.scheduler_adapter.is_healthy:
+            self._kvp_bypass(request, waited)
+            return 0, False
+        result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
+            request, num_computed_tokens)
+        if result[0] is not None:
+            self._kvp_lookup_began.pop(rid, None)
+        return result
+
+    def _kvp_bypass(self, request: Any, waited: float) -> None:
+        rid = request.request_id
+        self._kvp_lookup_began.pop(rid, None)
+        tracker = self._get_or_create_request_tracker(request)
+        if tracker.state == LMCacheMPRequestState.BYPASS_LMCACHE:
+            return
+        self.scheduler_adapter.cleanup_lookup_result(rid)
+        tracker.num_lmcache_hit_tokens = 0
+        tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+        self.kvp_bypassed_requests += 1
+        logger.warning("kvpersist: request %s bypasses the KV cache after %.1fs (server %s); "
+                       "it is recomputed", rid, waited,
+                       "unhealthy" if not self.scheduler_adapter.is_healthy else "slow")
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._kvp_lookup_began.pop(request.request_id, None)
+        result: tuple[bool, dict[str, Any] | None] = super().request_finished(request, block_ids)
+        return result
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        self._kvp_lookup_began.pop(request.request_id, None)
+        result: tuple[bool, dict[str, Any] | None] = super().request_finished_all_groups(
+            request, block_ids)
+        return result
+
+
+class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """The connector vLLM instantiates: the gate's choice in ``inner``, every call forwarded."""
+
+    inner: KVConnectorBase_V1
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+                 ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        decision = decide(vllm_config)
+        if decision.enabled and decision.identity is not None and decision.options is not None:
+            try:
+                self.inner = NamespacedLMCacheConnector(
+                    vllm_config, role, kv_cache_config, identity=decision.identity,
+                    options=decision.options)
+            except Exception as exc:  # LMCache could not start: serve without the cache
+                self._close(vllm_config, role, kv_cache_config,
+                            f"LMCache's connector failed to start: {type(exc).__name__}: {exc}")
+                return
+            logger.info("kvpersist: caching ON, namespace %s, LMCache model name %s (role %s)",
+                        decision.identity.namespace, decision.identity.lmcache_model_name(),
+                        role.name)
+            if role is KVConnectorRole.SCHEDULER:  # one process per engine records it
+                recorded = record_identity(decision.options, decision.identity)
+                if isinstance(recorded, str):
+                    logger.warning("kvpersist: %s", recorded)
+        else:
+            self._close(vllm_config, role, kv_cache_config, decision.reason or "gate closed")
+
+    def _close(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
+               reason: str) -> None:
+        logger.error("kvpersist: %s (role %s); vLLM serves without the KV cache tier",
+                     reason, role.name)
+        self.inner = DisabledKvConnector(vllm_config, role, kv_cache_config, reason=reason)
+
+    @property
+    def caching(self) -> bool:
+        return not isinstance(self.inner, DisabledKvConnector)
+
+    @property
+    def disabled_reason(self) -> str | None:
+        return self.inner.disabled_reason if isinstance(self.inner, DisabledKvConnector) else None
+
+    # -- worker → scheduler handshake (see module invariants)
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return WorkerGateState(self.caching, self.disabled_reason)
+
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: Mapping[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        if not self.caching:
+            return
+        closed = {rank: state for rank, state in metadata.items()
+                  if not (isinstance(state, WorkerGateState) and state.caching)}
+        if not closed:
+            return
+        rank, state = next(iter(closed.items()))
+        why = state.reason if isinstance(state, WorkerGateState) else "no gate state reported"
+        with_suppressed_errors(self.inner.shutdown)
+        self._close(self._vllm_config, self._role, self._kv_cache_config,
+                    f"worker (pp, tp) {rank} serves without the cache ({why})")
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
+    # -- class-level API, asked of the class before any instance exists: LMCache's
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        layout: str | None = LMCacheMPConnector.get_required_kvcache_layout(vllm_config)
+        return layout
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return LMCacheMPConnector.build_kv_connector_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any, **kwargs: Any) -> Any:
+        return LMCacheMPConnector.build_prom_metrics(*args, **kwargs)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return bool(LMCacheMPConnector.requires_piecewise_for_cudagraph(extra_config))
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the API does not define (LMCache's own, for tests and operators)."""
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def with_suppressed_errors(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except Exception:
+        logger.exception("kvpersist: error while closing LMCache's connector")
+
+
+_OWN = {"__init__", "get_handshake_metadata", "set_xfer_handshake_metadata",
+        "set_xfer_handshake_metadata_pp_aware"}
+
+
+def _forwarder(name: str) -> Callable[..., Any]:
+    def forward(self: KvPersistConnector, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    return forward
+
+
+def _property_forwarder(name: str) -> property:
+    return property(lambda self: getattr(self.inner, name))
+
+
+def _install_forwarders() -> None:
+    """Forward every instance method and property of vLLM's connector API to ``inner``."""
+    for base in (KVConnectorBase_V1, SupportsHMA):
+        for name, member in vars(base).items():
+            if name in _OWN or (name.startswith("__") and name.endswith("__")):
+                continue
+            if name in vars(KvPersistConnector):
+                continue
+            if isinstance(member, property):
+                setattr(KvPersistConnector, name, _property_forwarder(name))
+            elif callable(member) and not isinstance(member, (classmethod, staticmethod)):
+                setattr(KvPersistConnector, name, _forwarder(name))
+    abc.update_abstractmethods(KvPersistConnector)
+
+
+_install_forwarders()

@@ -1,0 +1,102 @@
+"""The identity gate: whether one vLLM connector instance may cache, decided without vLLM imports.
+
+Invariants
+----------
+* Fail closed: caching is on only if the connector options parse, the identity derived from the
+  running engine is complete and agrees with the pins, and the LMCache server answers; any
+  other outcome is a :class:`GateDecision` that is off and whose ``reason`` names the setting,
+  the identity field or the server.  Nothing here raises: a typo in a setting turns caching
+  off and vLLM keeps serving.
+* The same inputs give the same decision in every process of an engine (scheduler and each
+  worker); where the server's answer differs between them, the connector reconciles through
+  vLLM's worker→scheduler handshake (see :mod:`kvpersist.serving.connector`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config.client import ConnectorOptions
+from ..config.values import SettingsError
+from ..identity import CacheIdentity, IdentityError, IdentityResolution, load_pins, merge_sources
+from ..identity.records import write_record
+from ..identity.sources import from_vllm_config
+from . import http
+
+SERVER_PROBE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """Caching on (``identity`` and ``options`` set, ``reason`` None) or off (``reason``)."""
+
+    identity: CacheIdentity | None
+    options: ConnectorOptions | None
+    reason: str | None
+
+    @property
+    def enabled(self) -> bool:
+        return self.reason is None
+
+    @classmethod
+    def off(cls, reason: str, options: ConnectorOptions | None = None) -> GateDecision:
+        return cls(None, options, reason)
+
+
+def extra_config(vllm_config: Any) -> Mapping[str, Any]:
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(ktc, "kv_connector_extra_config", None) if ktc is not None else None
+    return extra if isinstance(extra, Mapping) else {}
+
+
+def resolve_engine_identity(vllm_config: Any, options: ConnectorOptions) -> IdentityResolution:
+    """The identity of the running engine, checked against its pins; never raises."""
+    if options.pins is None:
+        return IdentityResolution(None, [
+            "no identity pins configured (set kvpersist.pins in kv_connector_extra_config "
+            "or KVP_IDENTITY_PINS to configs/<model>/identity.env)"
+        ])
+    try:
+        pins = load_pins(options.pins)
+        live = from_vllm_config(vllm_config, chat_template_file=options.chat_template_file)
+    except (IdentityError, OSError, ValueError) as exc:
+        return IdentityResolution(None, [str(exc)])
+    return merge_sources(pins, live, live_label="engine")
+
+
+def server_answers(options: ConnectorOptions) -> bool:
+    """True if the LMCache server's ``/healthcheck`` answers (True when no URL is known)."""
+    if options.http_url is None:
+        return True
+    return http.answers(options.http_url.rstrip("/") + "/healthcheck",
+                        timeout=SERVER_PROBE_TIMEOUT_S)
+
+
+def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
+           probe: Callable[[ConnectorOptions], bool] = server_answers) -> GateDecision:
+    """Open or close the gate for one connector instance (see module invariants)."""
+    try:
+        options = ConnectorOptions.from_extra_config(extra_config(vllm_config), environ)
+    except SettingsError as exc:
+        return GateDecision.off(f"bad setting {exc}")
+    resolution = resolve_engine_identity(vllm_config, options)
+    if not resolution.enabled or resolution.identity is None:
+        return GateDecision.off(resolution.summary(), options)
+    if not probe(options):
+        return GateDecision.off("the LMCache server does not answer at start", options)
+    return GateDecision(resolution.identity, options, None)
+
+
+def record_identity(options: ConnectorOptions, identity: CacheIdentity) -> Path | str | None:
+    """Record ``identity`` under the cache root when that is a local directory.  Returns the
+    record's path, None when there is no local root, or the reason it could not be written."""
+    root = options.cache_root
+    if root is None or not Path(root).is_dir():
+        return None
+    try:
+        return write_record(root, identity)
+    except (OSError, IdentityError) as exc:
+        return f"could not record the identity of {identity.namespace} under {root}: {exc}"

@@ -1,0 +1,163 @@
+"""``kvp-vllm``: vLLM's OpenAI server with the kvpersist connector, for an unchanged recipe.
+
+    kvp-vllm MODEL [vLLM args...]           (scripts/run-vllm-with-persist.sh calls this)
+    kvp-vllm --print-config --pins FILE     (only the --kv-transfer-config JSON)
+
+Invariants
+----------
+* The connector is always ``KvPersistConnector`` from ``kvpersist.connector`` (fail-closed
+  identity gate over LMCache's MP connector); the pins file is always passed, as an absolute
+  path, so scheduler and workers resolve the same identity.
+* The LMCache server address comes from the same settings as the server launcher
+  (``KVP_BIND_HOST``, ``KVP_ZMQ_PORT``), so the two cannot drift apart.
+* A dead cache service is noticed within ``KVP_HEARTBEAT_S`` (default 2 s; LMCache's default is
+  10 s) and a request waits at most ``KVP_LOOKUP_TIMEOUT_S`` (5 s) for its lookup; blocking
+  LMCache calls (registration, shutdown) give up after ``KVP_MQ_TIMEOUT_S`` (15 s; LMCache: 300 s).
+* On a machine without CUDA the transfer mode is ``engine_driven``: ``lmcache_driven`` leaves
+  a 1 GiB ``/dev/shm`` segment per vLLM run there.  ``KVP_MP_TRANSFER_MODE`` overrides.
+* ``KV_PERSIST=0`` runs the recipe's arguments untouched; the vLLM process always gets the
+  telemetry-off environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..config.client import CONNECTOR_CLASS, CONNECTOR_MODULE, LauncherSettings, load_launcher_settings
+from ..config.environment import process_env
+from ..config.server import ServerSettings, load_settings
+from ..config.values import SettingsError
+
+VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")  # `vllm serve` needs a dist named vllm
+
+
+def default_transfer_mode() -> str:
+    try:
+        import torch
+
+        has_cuda = bool(torch.cuda.is_available())
+    except Exception:  # torch missing or broken: certainly no CUDA transfer path
+        has_cuda = False
+    return "auto" if has_cuda else "engine_driven"
+
+
+def kv_transfer_config(
+    settings: ServerSettings,
+    pins: str | Path,
+    *,
+    launcher: LauncherSettings | None = None,
+    chat_template_file: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    pins_path = Path(pins).absolute()
+    if not pins_path.is_file():
+        raise FileNotFoundError(f"identity pins file {pins_path} does not exist")
+    run = launcher or load_launcher_settings()
+    extra_config: dict[str, Any] = {
+        "lmcache.mp.host": settings.zmq_url,
+        "lmcache.mp.port": settings.zmq_port,
+        "lmcache.mp.mp_transfer_mode": run.transfer_mode or default_transfer_mode(),
+        "lmcache.mp.heartbeat_interval": run.heartbeat_s,
+        "lmcache.mp.mq_timeout": run.mq_timeout_s,
+        "kvpersist.pins": str(pins_path),
+        "kvpersist.http_url": settings.http_url,
+        "kvpersist.cache_root": str(settings.cache_root),
+        "kvpersist.lookup_timeout_s": run.lookup_timeout_s,
+    }
+    if chat_template_file:
+        extra_config["kvpersist.chat_template_file"] = str(Path(chat_template_file).absolute())
+    if extra:
+        extra_config.update(extra)
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra_config,
+    }
+
+
+def chat_template_arg(args: Sequence[str]) -> str | None:
+    """The value of ``--chat-template`` in a vLLM argument list, if any."""
+    for i, arg in enumerate(args):
+        if arg == "--chat-template" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--chat-template="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def vllm_command(model: str, recipe_args: Sequence[str], *, launcher: LauncherSettings,
+                 settings: ServerSettings | None) -> list[str]:
+    """The full command: the recipe's arguments, plus the connector when persistence is on."""
+    args = list(recipe_args)
+    if launcher.persist:
+        if launcher.identity_pins is None:
+            raise SettingsError("KVP_IDENTITY_PINS is not set: point it at "
+                                "configs/<model>/identity.env (or set KV_PERSIST=0)")
+        assert settings is not None
+        config = kv_transfer_config(settings, launcher.identity_pins, launcher=launcher,
+                                    chat_template_file=chat_template_arg(args))
+        args += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    python = launcher.python or sys.executable
+    return [*shlex.split(launcher.vllm_exec), python, *VLLM_ENTRY, "--model", model, *args]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvp-vllm",
+        usage="kvp-vllm MODEL [vLLM args...]  |  kvp-vllm --print-config --pins FILE",
+        description="Run vLLM's OpenAI server with the kvpersist KV connector. The recipe's vLLM "
+        "arguments pass through unchanged; --kv-transfer-config is added. Environment: "
+        "KV_PERSIST=1 (default; 0 runs the recipe without the connector), KVP_IDENTITY_PINS "
+        "(configs/<model>/identity.env), KVP_BIND_HOST/KVP_ZMQ_PORT/KVP_HTTP_PORT (the server), "
+        "KVP_LOOKUP_TIMEOUT_S, KVP_HEARTBEAT_S, KVP_MQ_TIMEOUT_S, KVP_MP_TRANSFER_MODE, "
+        "KVP_PYTHON (the Python with vLLM), KVP_VLLM_EXEC (a prefix such as "
+        "'docker exec <container>').",
+    )
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the --kv-transfer-config JSON and exit")
+    parser.add_argument("--pins", help="with --print-config: the identity pins file")
+    parser.add_argument("--chat-template", help="with --print-config: vLLM's --chat-template")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "--print-config"):
+        args = _parser().parse_args(argv)
+        if not args.print_config:
+            _parser().print_help()
+            return 0 if argv else 2
+        if not args.pins:
+            print("kvp-vllm: --print-config needs --pins FILE", file=sys.stderr)
+            return 2
+    try:
+        launcher = load_launcher_settings()
+        settings = load_settings() if launcher.persist or argv[0] == "--print-config" else None
+        if argv[0] == "--print-config":
+            assert settings is not None
+            config = kv_transfer_config(settings, args.pins, launcher=launcher,
+                                        chat_template_file=args.chat_template)
+            print(json.dumps(config, separators=(",", ":")))
+            return 0
+        command = vllm_command(argv[0], argv[1:], launcher=launcher, settings=settings)
+    except (SettingsError, FileNotFoundError) as exc:
+        print(f"kvp-vllm: {exc}", file=sys.stderr)
+        return 2
+    print("kvpersist: KV persistence " + (f"on (pins {launcher.identity_pins})"
+          if launcher.persist else "off (KV_PERSIST=0): the recipe runs without the connector"),
+          file=sys.stderr)
+    env = process_env()
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.execvpe(command[0], command, env)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

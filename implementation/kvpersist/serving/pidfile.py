@@ -1,0 +1,133 @@
+"""Pid files that are never trusted blindly.
+
+Invariants
+----------
+* A pid file records the pid *and* the process start time (``/proc/<pid>/stat`` field 22).
+  A process counts as ours only if both match, so a pid reused by another program is
+  reported as stale and is never signalled.
+* Pid files are never followed through a symlink, for reading or writing
+  (``O_NOFOLLOW``); a symlink in its place is an error, not something to act on.
+* Writes are atomic (temp file in the same directory + ``rename``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..atomic import write_text_atomic
+
+
+class PidFileError(RuntimeError):
+    """The pid file cannot be used safely (symlink, unreadable, malformed)."""
+
+
+class PidState(enum.Enum):
+    ABSENT = "absent"  # no pid file
+    RUNNING = "running"  # the recorded process is alive and is the one recorded
+    DEAD = "stale: process is gone"
+    REUSED = "stale: pid now belongs to another program"
+
+
+@dataclass(frozen=True)
+class PidRecord:
+    pid: int
+    start_ticks: int
+    command: str
+    zmq_port: int
+    http_port: int
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class PidStatus:
+    state: PidState
+    record: PidRecord | None
+
+    @property
+    def running(self) -> bool:
+        return self.state is PidState.RUNNING
+
+    def describe(self, path: Path) -> str:
+        if self.record is None:
+            return f"no pid file at {path}"
+        return f"pid file {path}: pid {self.record.pid} {self.state.value}"
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # Field 2 (comm) may contain spaces and parentheses; fields after the last ')' are fixed.
+    rest = stat.rsplit(")", 1)[1].split()
+    # rest[0] is field 3 (state); start time is field 22 → rest[19].
+    if rest[0] == "Z":  # a zombie is gone for our purposes
+        return None
+    return int(rest[19])
+
+
+def write_pid_file(path: Path, record: PidRecord) -> None:
+    """Atomically write ``record`` to ``path`` (never through a symlink)."""
+    write_text_atomic(path, record.to_json() + "\n")
+
+
+def read_pid_file(path: Path) -> PidRecord | None:
+    """The record in ``path``; None if absent.  Raises PidFileError if unsafe or malformed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if path.is_symlink():
+            raise PidFileError(
+                f"{path} is a symlink; refusing to follow it. Remove it by hand after checking"
+            ) from None
+        raise PidFileError(f"cannot read {path}: {exc.strerror}") from None
+    with os.fdopen(fd) as fh:
+        text = fh.read(4096)
+    try:
+        data = json.loads(text)
+        return PidRecord(
+            pid=int(data["pid"]),
+            start_ticks=int(data["start_ticks"]),
+            command=str(data["command"]),
+            zmq_port=int(data["zmq_port"]),
+            http_port=int(data["http_port"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        raise PidFileError(
+            f"{path} is not a kvpersist pid file ({text[:60]!r}); check and remove it by hand"
+        ) from None
+
+
+def check_pid_file(path: Path) -> PidStatus:
+    record = read_pid_file(path)
+    if record is None:
+        return PidStatus(PidState.ABSENT, None)
+    ticks = process_start_ticks(record.pid)
+    if ticks is None:
+        return PidStatus(PidState.DEAD, record)
+    if ticks != record.start_ticks:
+        return PidStatus(PidState.REUSED, record)
+    return PidStatus(PidState.RUNNING, record)
+
+
+def remove_pid_file(path: Path, expected: PidRecord | None) -> bool:
+    """Remove ``path`` only if it still holds ``expected`` (or anything, if None)."""
+    try:
+        current = read_pid_file(path)
+    except PidFileError:
+        return False
+    if current is None or (expected is not None and current != expected):
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    return True

@@ -1,0 +1,289 @@
+"""Lifecycle of the LMCache MP server: command line, start in the background, health, stop.
+
+Invariants
+----------
+* Every setting is validated and every precondition checked (ports free, root writable)
+  *before* a process is spawned; a failure raises :class:`ServerError` with a fix-it message.
+* The server runs in its own session with telemetry off
+  (:func:`kvpersist.config.environment.process_env`), bound to
+  ``KVP_BIND_HOST`` (127.0.0.1 by default); its output goes to ``KVP_CACHE_ROOT/lmcache-server.log``.
+* ``KVP_CACHE_ROOT`` is created with mode 0700.
+* The pid file names one process by pid *and* start time; stop never signals a process
+  that is not the recorded one (see :mod:`kvpersist.pidfile`).
+* ``start`` returns only once ``/healthcheck`` answers 200, or fails and leaves no process
+  and no pid file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config.adapters import l2_adapter_config
+from ..config.environment import process_env
+from ..config.server import ServerSettings, bind_warning
+from . import http
+from .pidfile import (
+    PidRecord,
+    PidState,
+    PidStatus,
+    check_pid_file,
+    process_start_ticks,
+    remove_pid_file,
+    write_pid_file,
+)
+
+HTTP_TIMEOUT_S = http.DEFAULT_TIMEOUT_S
+
+
+class ServerError(RuntimeError):
+    """Starting, stopping or reaching the server failed; the message says what to do."""
+
+
+def lmcache_executable() -> str:
+    """The ``lmcache`` console script of this interpreter's environment (then PATH)."""
+    beside = Path(sys.executable).parent / "lmcache"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("lmcache")
+    if found is None:
+        raise ServerError(
+            "the 'lmcache' command is not installed; run the README's set-up (scripts/bootstrap.sh)"
+        )
+    return found
+
+
+def server_command(settings: ServerSettings, executable: str | None = None) -> list[str]:
+    """The ``lmcache server`` argv for ``settings`` (pure; no I/O beyond the template file)."""
+    return [
+        executable or lmcache_executable(),
+        "server",
+        "--host", settings.bind_host,
+        "--port", str(settings.zmq_port),
+        "--http-host", settings.bind_host,
+        "--http-port", str(settings.http_port),
+        "--chunk-size", str(settings.chunk_size),
+        "--l1-size-gb", _num(settings.l1_size_gb),
+        "--eviction-policy", "LRU",
+        "--eviction-trigger-watermark", _num(settings.eviction_watermark),
+        "--eviction-ratio", _num(settings.eviction_ratio),
+        "--supported-transfer-mode", "auto",
+        "--l2-adapter", json.dumps(l2_adapter_config(settings), separators=(",", ":")),
+    ]
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def server_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: ``base`` (default: ours) with telemetry forced off.  The L2
+    adapter is imported by the server from the installed ``kvpersist`` package."""
+    return process_env(base)
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True if nothing listens on host:port (a TIME_WAIT leftover does not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def prepare_cache_root(root: Path) -> None:
+    """Create ``root`` with mode 0700 if needed and prove it is a writable directory."""
+    if root.exists() and not root.is_dir():
+        raise ServerError(f"KVP_CACHE_ROOT={root} exists and is not a directory")
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ServerError(
+            f"cannot create KVP_CACHE_ROOT={root}: {exc.strerror}; choose a writable path"
+        ) from None
+    probe = root / f".kvp-write-probe.{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ServerError(
+            f"KVP_CACHE_ROOT={root} is not writable ({exc.strerror}); fix its owner or mode"
+        ) from None
+
+
+def check_preconditions(settings: ServerSettings) -> PidStatus:
+    """Everything ``start`` needs, checked before spawning.  Returns the pid-file status."""
+    prepare_cache_root(settings.cache_root)
+    status = check_pid_file(settings.pid_file)
+    if status.running and status.record is not None:
+        raise ServerError(
+            f"an LMCache server (pid {status.record.pid}) already runs on {settings.cache_root}; "
+            "one server per cache root. Stop it first (scripts/kvp-server.sh stop)"
+        )
+    for name, port in (("KVP_ZMQ_PORT", settings.zmq_port), ("KVP_HTTP_PORT", settings.http_port)):
+        if not port_is_free(settings.bind_host, port):
+            raise ServerError(
+                f"{name}={port} is busy on {settings.bind_host}; stop what uses it "
+                f"(e.g. `ss -ltnp 'sport = :{port}'`) or choose another port"
+            )
+    return status
+
+
+def is_healthy(settings: ServerSettings, timeout: float = HTTP_TIMEOUT_S) -> bool:
+    return http.answers(settings.http_url + "/healthcheck", timeout=timeout)
+
+
+def _log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass(frozen=True)
+class StartResult:
+    pid: int
+    replaced_stale: PidStatus | None
+    warning: str | None
+    seconds: float
+
+
+def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = None) -> StartResult:
+    """Start the server in the background and wait for ``/healthcheck``."""
+    previous = check_preconditions(settings)
+    stale = previous if previous.state in (PidState.DEAD, PidState.REUSED) else None
+    if stale is not None:
+        remove_pid_file(settings.pid_file, stale.record)
+    cmd = server_command(settings)
+    began = time.monotonic()
+    log = open(settings.log_file, "ab")  # noqa: SIM115 - handed to the child
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            env=server_environment(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=settings.cache_root,
+        )
+    finally:
+        log.close()
+    ticks = process_start_ticks(proc.pid)
+    record = PidRecord(proc.pid, ticks or 0, "lmcache server", settings.zmq_port, settings.http_port)
+    write_pid_file(settings.pid_file, record)
+    deadline = began + settings.start_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            remove_pid_file(settings.pid_file, record)
+            raise ServerError(
+                f"the LMCache server exited with code {proc.returncode} during start; "
+                f"log {settings.log_file}:\n{_log_tail(settings.log_file)}"
+            )
+        if is_healthy(settings, timeout=1.0):
+            return StartResult(proc.pid, stale, bind_warning(settings), time.monotonic() - began)
+        time.sleep(0.25)
+    _terminate(proc.pid, settings.stop_timeout_s)
+    with contextlib.suppress(ChildProcessError):
+        proc.wait(timeout=1)
+    remove_pid_file(settings.pid_file, record)
+    raise ServerError(
+        f"the LMCache server did not become healthy within {settings.start_timeout_s:.0f}s "
+        f"(KVP_START_TIMEOUT_S); log {settings.log_file}:\n{_log_tail(settings.log_file)}"
+    )
+
+
+def _terminate(pid: int, timeout_s: float) -> bool:
+    """SIGTERM, wait up to ``timeout_s``, then SIGKILL.  True if it stopped on SIGTERM."""
+    ticks = process_start_ticks(pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _reap_or_gone(pid, ticks):
+            return True
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(50):
+        if _reap_or_gone(pid, ticks):
+            break
+        time.sleep(0.1)
+    return False
+
+
+def _reap_or_gone(pid: int, ticks: int | None) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    now = process_start_ticks(pid)
+    return now is None or now != ticks
+
+
+@dataclass(frozen=True)
+class StopResult:
+    status: PidStatus
+    signalled: bool
+    graceful: bool
+
+    def describe(self, path: Path) -> str:
+        if not self.signalled:
+            if self.status.state is PidState.ABSENT:
+                return f"not running (no pid file at {path})"
+            return f"not signalled: {self.status.describe(path)}; removed the stale pid file"
+        how = "stopped on SIGTERM" if self.graceful else "did not stop on SIGTERM; killed"
+        assert self.status.record is not None
+        return f"LMCache server pid {self.status.record.pid} {how}"
+
+
+def stop_server(settings: ServerSettings) -> StopResult:
+    """Stop the recorded server with SIGTERM (SIGKILL after ``KVP_STOP_TIMEOUT_S``).
+
+    A stale pid file is reported and removed; its pid is never signalled.
+    """
+    status = check_pid_file(settings.pid_file)
+    if not status.running:
+        if status.record is not None:
+            remove_pid_file(settings.pid_file, status.record)
+        return StopResult(status, signalled=False, graceful=False)
+    assert status.record is not None
+    graceful = _terminate(status.record.pid, settings.stop_timeout_s)
+    remove_pid_file(settings.pid_file, status.record)
+    return StopResult(status, signalled=True, graceful=graceful)
+
+
+def server_status(settings: ServerSettings) -> dict[str, Any]:
+    """Pid-file state, health and the server's ``/status`` (when it answers)."""
+    pid = check_pid_file(settings.pid_file)
+    out: dict[str, Any] = {
+        "cache_root": str(settings.cache_root),
+        "pid_file": str(settings.pid_file),
+        "pid": pid.record.pid if pid.record else None,
+        "pid_state": pid.state.value,
+        "bind_host": settings.bind_host,
+        "zmq_port": settings.zmq_port,
+        "http_port": settings.http_port,
+        "http_url": settings.http_url,
+        "l2_adapter": settings.l2_adapter,
+        "healthy": is_healthy(settings),
+    }
+    if out["healthy"]:
+        try:
+            resp = http.get(settings.http_url + "/status")
+            out["server_status"] = resp.json() if resp.ok else {"http_status": resp.status}
+        except (http.HttpError, ValueError) as exc:
+            out["server_status"] = {"error": str(exc)}
+    return out

@@ -1,0 +1,73 @@
+"""Helpers for tests and benchmarks that run real processes: L2 files, pins, adapter status."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config.server import ServerSettings, load_settings
+from ..demo.stack import free_port
+from ..demo.tiny_model import TINY_PINS as TINY_PINS
+from ..identity import FIELDS, load_pins
+from ..serving import http
+
+
+def l2_files(root: Path, suffixes: tuple[str, ...] = (".bin", ".kvp")) -> dict[str, str]:
+    """name → sha256 of content, for every L2 data file directly in ``root``."""
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.iterdir())
+        if p.is_file() and p.suffix in suffixes
+    }
+
+
+def wait_for_l2_files(root: Path, min_count: int, timeout: float = 60.0) -> dict[str, str]:
+    """Wait until at least ``min_count`` L2 files exist and the set is stable for 1 s."""
+    deadline = time.monotonic() + timeout
+    last: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        now = l2_files(root)
+        if len(now) >= min_count and now == last:
+            return now
+        last = now
+        time.sleep(1.0)
+    raise AssertionError(f"expected ≥{min_count} stable L2 files in {root}, have {len(last)}")
+
+
+def write_pins(path: Path, **changes: str) -> Path:
+    """Copy the tiny model's pins to ``path`` with ``changes`` (field name → value)."""
+    pins = dict(load_pins(TINY_PINS))
+    pins.update(changes)
+    env_names = {f.name: f.env for f in FIELDS}
+    path.write_text("".join(f"{env_names[k]}={v}\n" for k, v in pins.items()))
+    return path
+
+
+def adapter_status(settings: ServerSettings) -> dict[str, Any]:
+    """The kvpersist adapter's ``report_status`` as the live server's ``/status`` shows it."""
+    adapters = http.get(settings.http_url + "/status", timeout=10).json()["storage_manager"][
+        "l2_adapters"]
+    assert len(adapters) == 1 and adapters[0]["type"] == "KvPersistL2Adapter", adapters
+    return dict(adapters[0])
+
+
+def clear_l1(settings: ServerSettings) -> None:
+    """Empty the server's L1 (host RAM), so the next lookup has to read L2."""
+    resp = http.request("POST", settings.http_url + "/cache/clear",
+                        payload={"tier": "l1", "force": True}, timeout=10)
+    assert resp.status == 200, resp
+
+
+def server_env(root: Path, **extra: str) -> dict[str, str]:
+    """Settings for a test server on ``root`` with free loopback ports and a 1 GiB L1."""
+    return {"KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(free_port()),
+            "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1",
+            "KVP_CACHE_BUDGET_GB": "2", **extra}
+
+
+def kvpersist_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
+    """Validated settings of a test server with the kvpersist adapter on ``root``."""
+    return load_settings(server_env(root, KVP_CACHE_BUDGET_GB=budget_gb,
+                                    KVP_L2_ADAPTER="kvpersist"))

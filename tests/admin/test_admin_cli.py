@@ -1,0 +1,234 @@
+"""kvp-admin report / cleanup / quota / verify / metrics / preflight on generated trees,
+bad inputs included.  (The integration test with a live server is in tests/integration.)"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvpersist.admin.cleanup import safe_to_delete
+from kvpersist.admin.cli import main
+from kvpersist.admin.preflight import filesystem_check, fs_type
+from kvpersist.demo.stack import free_port
+from kvpersist.l2.format import HEADER_SIZE
+from kvpersist.l2.inventory import CacheFile
+from kvpersist.l2.layout import KeyFields
+from kvpersist.l2.store import KvFileStore
+
+NS = ["kvp-" + c * 32 for c in "abc"]
+PAYLOAD = 4096
+
+
+@pytest.fixture
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cache = tmp_path / "cache"
+    store = KvFileStore(cache, 10**9)
+    store.open(background_scan=False)
+    for n, ns in enumerate(NS):
+        for i in range(n + 1):  # NS[0]: 1 file, NS[1]: 2, NS[2]: 3
+            key = KeyFields(f"org/m{n}/{ns}", 0x01000100, 0, bytes([n, i]) * 16)
+            store.put(key, bytes([i]) * PAYLOAD)
+            os.utime(store.path_for(key), (1000 * (n + 1) + i, 1000 * (n + 1) + i))
+    store.close()
+    old_tmp = cache / "org--x--y_01000100_0_ab.kvp.tmp.0001"
+    old_tmp.write_bytes(b"t" * 10)
+    os.utime(old_tmp, (10, 10))
+    (cache / "org--x--y_01000100_0_cd.kvp.tmp.0002").write_bytes(b"t" * 10)  # being written
+    (cache / "quarantine" / "bad.kvp.payload-checksum.1").write_bytes(b"q" * 20)
+    (cache / "notes.kvp").write_text("not a cache name")
+    (cache / "lmcache-server.log").write_text("log")
+    outside = tmp_path / "precious.kvp"
+    outside.write_bytes(b"keep me")
+    (cache / "org--z--kvp-dddddddddddddddddddddddddddddddd_01000100_0_ee.kvp").symlink_to(outside)
+    monkeypatch.setenv("KVP_CACHE_ROOT", str(cache))
+    monkeypatch.setenv("KVP_HTTP_PORT", "9")  # nothing answers: the server is "down"
+    monkeypatch.setenv("KVP_CACHE_BUDGET_GB", "1")
+    return cache
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+FILE = HEADER_SIZE + PAYLOAD
+
+
+def test_report_matches_disk(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "report", "--json", "--active", NS[2])
+    data = json.loads(out)
+    assert code == 0
+    rows = {r["namespace"]: r for r in data["namespaces"]}
+    assert {ns: rows[ns]["files"] for ns in NS} == {NS[0]: 1, NS[1]: 2, NS[2]: 3}
+    assert rows[NS[2]]["bytes"] == 3 * FILE and rows[NS[2]]["state"] == "active"
+    assert rows[NS[0]]["state"] == "stale" and rows[NS[0]]["model_ids"] == ["org/m0"]
+    assert data["classes"]["temp"] == {"files": 2, "bytes": 20}
+    assert data["classes"]["quarantine"] == {"files": 1, "bytes": 20}
+    assert data["classes"]["unparsable"]["files"] == 1
+    assert data["cache_bytes"] == 6 * FILE + 40
+    code, out, _ = run(capsys, "report")
+    assert code == 0 and NS[1] in out and "stale" in out
+
+
+def test_cleanup_dry_run_changes_nothing(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = sorted(p.name for p in root.rglob("*"))
+    code, out, _ = run(capsys, "cleanup", "--active", NS[2])
+    assert code == 0 and "dry run" in out
+    code, explicit, _ = run(capsys, "cleanup", "--dry-run", "--active", NS[2])
+    assert code == 0 and explicit == out
+    assert sorted(p.name for p in root.rglob("*")) == before
+    with pytest.raises(SystemExit):  # argparse: not allowed with --apply
+        run(capsys, "cleanup", "--dry-run", "--apply", "--active", NS[2])
+    assert sorted(p.name for p in root.rglob("*")) == before
+
+
+def test_cleanup_apply_needs_to_know_active(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "cleanup", "--apply")
+    assert code == 1 and "--active" in err
+
+
+def test_cleanup_apply(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "cleanup", "--apply", "--active", NS[2], "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["by_class"]["temp"]["files"] == 1 and data["skipped_young_temp"] == 1
+    assert data["by_class"]["inactive"]["files"] == 3
+    remaining = {p.name for p in root.iterdir()}
+    assert len([n for n in remaining if n.startswith(f"org--m2--{NS[2]}")]) == 3  # active kept
+    assert not [n for n in remaining if NS[0] in n or NS[1] in n]
+    assert "org--x--y_01000100_0_cd.kvp.tmp.0002" in remaining  # young temp kept
+    assert {"notes.kvp", "lmcache-server.log"} <= remaining  # unparsable and foreign kept
+    assert (tmp_path / "precious.kvp").read_bytes() == b"keep me"  # symlink target untouched
+    assert not list((root / "quarantine").iterdir())
+
+
+def test_cleanup_to_target_takes_lru_tail(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target_gb = (2 * FILE) / 1024**3
+    code, out, _ = run(capsys, "cleanup", "--apply", "--active", NS[2], "--target-gb",
+                       f"{target_gb:.12f}", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["end_bytes"] <= 2 * FILE
+    assert data["by_class"]["lru-active"]["files"] >= 1
+    left = sorted(root.glob(f"org--m2--{NS[2]}*.kvp"), key=lambda p: p.stat().st_mtime)
+    assert left and left[-1].stat().st_mtime == 3002  # the most recently used survives
+
+
+def test_safe_to_delete_refuses_escapes(root: Path, tmp_path: Path) -> None:
+    escape = CacheFile.at(root / ".." / "precious.kvp", "live", 7, 0.0)
+    assert safe_to_delete(root, escape) == "outside the cache root"
+    link = next(p for p in root.iterdir() if p.is_symlink())
+    assert safe_to_delete(root, CacheFile.at(link, "live", 7, 0.0)) is not None
+    # A directory on the way that is a symlink: out of the root, or back into it.
+    real = next(p for p in root.glob("*.kvp") if not p.is_symlink())
+    (root / "alias").symlink_to(root)
+    (root / "away").symlink_to(tmp_path)
+    (tmp_path / real.name).write_bytes(b"x")
+    cache: dict[str, str | None] = {}
+    for _ in range(2):  # the second round answers from the per-directory cache
+        assert safe_to_delete(root, CacheFile.at(root / "alias" / real.name, "live", 7, 0.0),
+                              cache) == "reached through a symlink"
+        assert safe_to_delete(root, CacheFile.at(root / "away" / real.name, "live", 7, 0.0),
+                              cache) == "outside the cache root"
+        assert safe_to_delete(root, CacheFile.at(real, "live", 7, 0.0), cache) is None
+    assert len(cache) == 3
+
+
+def test_quota_commands(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, _ = run(capsys, "quota", "set", NS[2], f"{FILE / 1024**3:.12f}")
+    assert code == 0
+    code, out, _ = run(capsys, "quota", "check", "--json")
+    assert code == 3 and NS[2] in json.loads(out)["over"]
+    code, out, _ = run(capsys, "quota", "show")
+    assert code == 0 and NS[2] in out
+    code, out, _ = run(capsys, "quota", "show", "--json")
+    assert code == 0 and json.loads(out)["quotas_gib"] == {NS[2]: pytest.approx(FILE / 1024**3)}
+    code, _, err = run(capsys, "quota", "set", "kvp-nothex", "1")
+    assert code == 1 and "is not a namespace" in err
+    code, _, err = run(capsys, "quota", "set", NS[0], "-1")
+    assert code == 1 and "non-negative" in err
+
+
+def test_malformed_quotas_file_is_refused_and_kept(root: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    bad = root / "quotas.json"
+    bad.write_text('{"quotas": {"kvp-abc": 1}, "extra": 2}')
+    for argv in (("report",), ("metrics",), ("cleanup",), ("quota", "show")):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and "unknown key" in err, argv
+    assert bad.read_text() == '{"quotas": {"kvp-abc": 1}, "extra": 2}'
+    bad.unlink()
+    code, _, err = run(capsys, "report", "--active", "kvp-nothex")
+    assert code == 1 and "kvp-admin report: --active" in err and "not a namespace" in err
+
+
+def test_verify_and_quarantine(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["checked"] == 6
+    victim = sorted(root.glob(f"*{NS[1]}*.kvp"))[0]
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 1
+    victim.write_bytes(bytes(raw))
+    code, out, _ = run(capsys, "verify", "--json")
+    data = json.loads(out)
+    assert code == 3 and data["failures"] == [{"path": str(victim), "reason": "payload-checksum"}]
+    code, out, _ = run(capsys, "verify", "--quarantine", "--max-mb-per-s", "100")
+    assert code == 0 and "1 quarantined" in out and not victim.exists()
+
+
+def test_metrics(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "metrics", "--active", NS[2])
+    assert code == 0
+    assert f'kvpersist_namespace_bytes{{namespace="{NS[2]}",model_id="org/m2",state="active"}} ' \
+           f"{3 * FILE}" in out
+    assert "kvpersist_quarantine_files 1" in out and "# TYPE kvpersist_budget_share gauge" in out
+    prom = tmp_path / "kvp.prom"
+    assert run(capsys, "metrics", "--textfile", str(prom))[0] == 0
+    assert "kvpersist_cache_bytes" in prom.read_text()
+
+
+def test_missing_root(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVP_CACHE_ROOT", str(tmp_path / "nope"))
+    for argv in (("report",), ("cleanup",), ("verify",)):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and "does not exist" in err
+
+
+def test_preflight(root: Path, capsys: pytest.CaptureFixture[str],
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVP_HTTP_PORT", str(free_port()))
+    monkeypatch.setenv("KVP_ZMQ_PORT", str(free_port()))
+    code, out, _ = run(capsys, "preflight", "--test", "--pins", "configs/tiny-llama/identity.env",
+                       "--json")
+    data = json.loads(out)
+    assert code == 0, data
+    assert {c["name"] for c in data["checks"]} >= {
+        "device ceiling", "free space", "persist_enabled", "telemetry", "identity pins",
+        "filesystem"}
+    monkeypatch.setenv("KVP_CACHE_BUDGET_GB", "1000000000")
+    code, out, _ = run(capsys, "preflight", "--test")
+    assert code == 1 and "exceeds what the device" in out and "Lower KVP_CACHE_BUDGET_GB" in out
+
+
+def test_filesystem_detection(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/vda / ext4 rw 0 0\n"
+        "srv:/export /mnt/nfs nfs4 rw 0 0\n"
+        "10.0.0.1/default /mnt/weka wekafs rw 0 0\n"
+        "tmpfs /mnt/weka/tmp tmpfs rw 0 0\n")
+    assert fs_type(Path("/mnt/nfs/cache"), str(mounts)) == ("nfs4", "/mnt/nfs")
+    assert fs_type(Path("/mnt/weka/cache"), str(mounts)) == ("wekafs", "/mnt/weka")
+    assert fs_type(Path("/mnt/weka/tmp/x"), str(mounts)) == ("tmpfs", "/mnt/weka/tmp")
+    assert fs_type(Path("/srv"), str(mounts)) == ("ext4", "/")
+    nfs = filesystem_check(Path("/mnt/nfs/cache"), production=True, mounts=str(mounts))
+    assert nfs.level == "warn" and "atomic rename" in nfs.message
+    weka = filesystem_check(Path("/mnt/weka/cache"), production=True, mounts=str(mounts))
+    assert "GDS" in weka.message and "--gpu-memory-utilization" in weka.message
+    tmp = filesystem_check(Path("/mnt/weka/tmp/x"), production=True, mounts=str(mounts))
+    assert tmp.level == "warn"
+    assert filesystem_check(Path("/mnt/weka/tmp/x"), production=False, mounts=str(mounts)).level == "ok"

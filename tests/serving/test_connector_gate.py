@@ -1,0 +1,138 @@
+"""The identity gate and the connector against vLLM's real ``VllmConfig`` (no engine started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist.config.client import ConnectorOptions
+from kvpersist.config.server import ServerSettings, load_settings
+from kvpersist.serving.gate import decide, resolve_engine_identity
+from kvpersist.serving.launcher import kv_transfer_config
+from kvpersist.serving.server import start_server
+from kvpersist.testing.helpers import TINY_PINS, write_pins
+
+pytestmark = pytest.mark.integration
+
+
+def engine_config(model: Path, pins: Path, settings: ServerSettings | None = None,
+                  extra: dict[str, Any] | None = None, **overrides: Any) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    settings = settings or load_settings({"KVP_CACHE_ROOT": "/nonexistent-not-used"})
+    args = dict(model=str(model), dtype="float32", max_model_len=2048,
+                kv_transfer_config=kv_transfer_config(settings, pins, extra=extra))
+    args.update(overrides)
+    return EngineArgs(**args).create_engine_config()
+
+
+def identity_of(cfg: Any) -> Any:
+    return resolve_engine_identity(cfg, ConnectorOptions.from_extra_config(
+        cfg.kv_transfer_config.kv_connector_extra_config))
+
+
+def test_engine_identity_matches_pins(tiny_model: Path) -> None:
+    res = identity_of(engine_config(tiny_model, TINY_PINS))
+    assert res.enabled, res.problems
+    assert res.identity is not None
+    assert res.identity.model_revision == tiny_model.name
+    # Fields the engine itself derived were cross-checked against the pins.
+    for name in ("kv_cache_dtype", "block_size", "num_kv_heads", "head_size", "max_model_len",
+                 "model_revision", "chat_template_sha256"):
+        assert res.sources[name] == "both", (name, res.sources[name])
+    assert res.sources["build"] == "engine"
+
+
+def test_engine_dtype_disagreeing_with_pin_turns_caching_off(tiny_model: Path) -> None:
+    res = identity_of(engine_config(tiny_model, TINY_PINS, dtype="bfloat16"))
+    assert not res.enabled
+    assert any("kv_cache_dtype" in p and "bfloat16" in p for p in res.problems), res.problems
+
+
+def test_wrong_pin_turns_caching_off_and_names_field(tiny_model: Path, tmp_path: Path) -> None:
+    pins = write_pins(tmp_path / "bad.env", block_size="64")
+    res = identity_of(engine_config(tiny_model, pins))
+    assert not res.enabled
+    assert any("block_size" in p for p in res.problems), res.problems
+
+
+def test_missing_pins_file_turns_caching_off(tiny_model: Path, tmp_path: Path) -> None:
+    pins = write_pins(tmp_path / "ok.env")
+    cfg = engine_config(tiny_model, pins)
+    pins.unlink()
+    res = identity_of(cfg)
+    assert not res.enabled and "cannot read" in res.problems[0]
+
+
+@pytest.mark.parametrize(("extra", "environ", "named"), [
+    ({"kvpersist.lookup_timeout_s": "5s"}, {}, "kvpersist.lookup_timeout_s"),
+    ({"kvpersist.lookup_timeout_s": -1}, {}, "kvpersist.lookup_timeout_s"),
+    ({"kvpersist.lookup_timeout_s": None}, {"KVP_LOOKUP_TIMEOUT_S": "fast"}, "KVP_LOOKUP_TIMEOUT_S"),
+    ({"kvpersist.lookup_timout_s": 5}, {}, "kvpersist.lookup_timout_s"),
+    ({"kvpersist.pins": 7}, {}, "kvpersist.pins"),
+])
+def test_a_malformed_setting_closes_the_gate_naming_it(tiny_model: Path, extra: dict[str, Any],
+                                                       environ: dict[str, str], named: str) -> None:
+    cfg = engine_config(tiny_model, TINY_PINS, extra=extra)
+    decision = decide(cfg, environ=environ, probe=lambda options: True)
+    assert not decision.enabled
+    assert decision.reason is not None and named in decision.reason, decision.reason
+
+
+def test_the_gate_opens_with_good_settings_and_a_live_server(tiny_model: Path) -> None:
+    cfg = engine_config(tiny_model, TINY_PINS)
+    assert decide(cfg, environ={}, probe=lambda options: True).enabled
+    closed = decide(cfg, environ={}, probe=lambda options: False)
+    assert not closed.enabled and "does not answer" in str(closed.reason)
+
+
+def test_a_malformed_setting_gives_a_working_disabled_connector(tiny_model: Path) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpersist.connector import KvPersistConnector  # the path deployments name
+    from kvpersist.serving.connector import DisabledKvConnector
+
+    cfg = engine_config(tiny_model, TINY_PINS, extra={"kvpersist.lookup_timeout_s": "soon"})
+    conn = KvPersistConnector(cfg, KVConnectorRole.SCHEDULER)
+    assert not conn.caching
+    assert isinstance(conn.inner, DisabledKvConnector)
+    assert "kvpersist.lookup_timeout_s" in str(conn.disabled_reason)
+    assert conn.get_num_new_matched_tokens(object(), 0) == (0, False)
+    assert conn.request_finished(object(), [1, 2]) == (False, None)
+    assert conn.role is KVConnectorRole.SCHEDULER
+
+
+def test_disabled_connector_reports_no_hits(tiny_model: Path, tmp_path: Path) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpersist.serving.connector import KvPersistConnector, WorkerGateState
+
+    pins = write_pins(tmp_path / "bad.env", head_size="64")
+    conn = KvPersistConnector(engine_config(tiny_model, pins), KVConnectorRole.SCHEDULER)
+    assert not conn.caching
+    assert "head_size" in str(conn.disabled_reason)
+    assert conn.get_num_new_matched_tokens(object(), 0) == (0, False)
+    state = conn.get_handshake_metadata()
+    assert isinstance(state, WorkerGateState) and not state.caching
+
+
+def test_a_closed_worker_closes_its_scheduler(tiny_model: Path, settings: ServerSettings) -> None:
+    """vLLM's handshake hands every worker's gate state to the scheduler before serving: a
+    scheduler whose gate opened closes when a worker's did not (no hit it could not load)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpersist.serving.connector import KvPersistConnector, WorkerGateState
+
+    start_server(settings)
+    cfg = engine_config(tiny_model, TINY_PINS, settings)
+    conn = KvPersistConnector(cfg, KVConnectorRole.SCHEDULER)
+    assert conn.caching, conn.disabled_reason
+    conn.set_xfer_handshake_metadata_pp_aware({(0, 0): WorkerGateState(True)})
+    assert conn.caching  # every worker open: stays on
+    conn.set_xfer_handshake_metadata_pp_aware(
+        {(0, 0): WorkerGateState(True), (0, 1): WorkerGateState(False, "server down at start")})
+    assert not conn.caching
+    assert "server down at start" in str(conn.disabled_reason)
+    assert conn.get_num_new_matched_tokens(object(), 0) == (0, False)
