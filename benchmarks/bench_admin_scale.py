@@ -28,10 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "implementation"))
-
-from kvpersist.l2_format import HEADER_SIZE, KeyFields, format_name, shard_dirs  # noqa: E402
+from kvpersist.l2.format import HEADER_SIZE
+from kvpersist.l2.layout import KeyFields, format_name, shard_dirs
 
 CHUNK = 256 * 1024
 
@@ -86,7 +84,7 @@ def main() -> int:
     root = Path(args.root or tempfile.mkdtemp(prefix="kvp-admin-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, KVP_CACHE_ROOT=str(root), KVP_HTTP_PORT="9", KVP_WALKER=args.walker,
-               KVP_CACHE_BUDGET_GB="1500", PYTHONPATH=str(REPO / "implementation"))
+               KVP_CACHE_BUDGET_GB="1500")
     py = sys.executable
     active = "kvp-" + "0" * 31 + "1"
     try:

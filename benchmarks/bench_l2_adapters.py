@@ -20,21 +20,17 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "implementation"), str(REPO / "tests")]
-
-from kvpersist.server import http_get, start_server, stop_server  # noqa: E402
-from kvpersist.settings import ServerSettings, load_settings  # noqa: E402
-from kvpersist.stack import free_port  # noqa: E402
-
-from lmcache_client import BenchDriver  # noqa: E402
+from kvpersist.config.server import ServerSettings, load_settings
+from kvpersist.demo.stack import free_port
+from kvpersist.serving import http
+from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing.helpers import clear_l1
+from kvpersist.testing.lmcache_bench import BenchDriver
 
 #: chunk bytes → LMCache KV shape spec (2, blocks, 16 tokens, heads, head size):fp16:layers
 SHAPES = {
@@ -51,16 +47,10 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def clear_l1(s: ServerSettings) -> None:
-    req = urllib.request.Request(s.http_url + "/cache/clear", method="POST",
-                                 data=b'{"tier":"l1","force":true}',
-                                 headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=30).close()
-
-
 def adapter_status(s: ServerSettings) -> dict[str, Any]:
-    _, body = http_get(s.http_url + "/status", timeout=30)
-    return dict(json.loads(body)["storage_manager"]["l2_adapters"][0])
+    """The first L2 adapter's status (kvpersist's or nixl_store_dynamic's)."""
+    return dict(http.get(s.http_url + "/status", timeout=30).json()["storage_manager"][
+        "l2_adapters"][0])
 
 
 def wait_count(root: Path, suffix: str, count: int, timeout: float = 60.0) -> None:

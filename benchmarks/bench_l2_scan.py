@@ -16,17 +16,14 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "implementation"))
-
-from kvpersist import inventory  # noqa: E402
-from kvpersist.l2_format import HEADER_SIZE, KeyFields  # noqa: E402
-from kvpersist.l2_store import KvFileStore  # noqa: E402
+from kvpersist.l2 import inventory
+from kvpersist.l2.format import HEADER_SIZE
+from kvpersist.l2.layout import KeyFields
+from kvpersist.l2.store import KvFileStore
 
 CHUNK = 256 * 1024
 

@@ -8,19 +8,14 @@ checked, temp files left (must be 0) and accounting mismatches (must be 0).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "implementation"), str(REPO / "tests")]
-
-from kvpersist.server import stop_server  # noqa: E402
-from kvpersist.settings import load_settings  # noqa: E402
-from kvpersist.stack import free_port  # noqa: E402
-
-from crash_cycles import run_cycles  # noqa: E402
+from kvpersist.config.server import load_settings
+from kvpersist.demo.stack import free_port
+from kvpersist.serving.server import stop_server
+from kvpersist.testing.crash_cycles import run_cycles
 
 
 def main() -> int:

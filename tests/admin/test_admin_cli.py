@@ -232,3 +232,26 @@ def test_filesystem_detection(tmp_path: Path) -> None:
     tmp = filesystem_check(Path("/mnt/weka/tmp/x"), production=True, mounts=str(mounts))
     assert tmp.level == "warn"
     assert filesystem_check(Path("/mnt/weka/tmp/x"), production=False, mounts=str(mounts)).level == "ok"
+
+
+def test_verify_check_is_the_store_oracle(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``verify --check`` reports what a crash left (temp files) without removing anything, and
+    finds nothing on a clean root."""
+    before = sorted(p.name for p in root.rglob("*"))
+    code, out, _ = run(capsys, "verify", "--check", "--json")
+    problems = json.loads(out)["problems"]
+    assert code == 3
+    assert sorted(problems) == sorted(f"temp file left: {p}" for p in root.glob("*.tmp.*"))
+    assert len(problems) == 2
+    assert sorted(p.name for p in root.rglob("*")) == before  # nothing was removed
+    for leftover in root.glob("*.tmp.*"):
+        leftover.unlink()
+    code, out, _ = run(capsys, "verify", "--check")
+    assert code == 0 and "checked 6 files" in out and "consistent" in out
+    store = KvFileStore(root, 10**9)
+    store.open(background_scan=False)  # a server holds the root: --check refuses
+    try:
+        code, _, err = run(capsys, "verify", "--check")
+        assert code == 1 and "one writer per root" in err
+    finally:
+        store.close()

@@ -34,6 +34,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
+from .. import __version__
 from ..config import values
 from ..config.values import SettingsError
 from .layout import KeyFields
@@ -268,7 +269,8 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def report_status(self) -> dict[str, Any]:
         status = self._store.status()
-        status.update({"is_healthy": True, "type": "KvPersistL2Adapter"})
+        status.update({"is_healthy": True, "type": "KvPersistL2Adapter",
+                       "kvpersist_version": __version__, "kvpersist_module": __file__})
         return status
 
     @property

@@ -82,6 +82,7 @@ class KvFileStore:
         self._scan_error: str | None = None
         self._scan_seconds: float | None = None
         self._scanned_files = 0
+        self._remove_temps = True
 
     @property
     def capacity_bytes(self) -> int:
@@ -89,8 +90,10 @@ class KvFileStore:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def open(self, *, background_scan: bool = True) -> None:
-        """Take the root lock and start the scan (names and sizes only)."""
+    def open(self, *, background_scan: bool = True, remove_temps: bool = True) -> None:
+        """Take the root lock and start the scan (names and sizes only).  ``remove_temps=False``
+        leaves temp leftovers in place (an operator's :meth:`check` reports them instead)."""
+        self._remove_temps = remove_temps
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / QUARANTINE_DIR).mkdir(mode=0o700, exist_ok=True)
         self._lock_fd = take_root_lock(self.root)
@@ -123,7 +126,7 @@ class KvFileStore:
     def _scan(self) -> None:
         began = time.monotonic()
         try:
-            found = scan_root(self.root, sharded=self.sharded, remove_temps=True)
+            found = scan_root(self.root, sharded=self.sharded, remove_temps=self._remove_temps)
             self.stats.add(temp_removed=found.temp_removed,
                            unparsable_names=found.unparsable_names)
             batch = 4096

@@ -17,9 +17,9 @@ Invariants
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -51,23 +51,25 @@ class ServerError(RuntimeError):
     """Starting, stopping or reaching the server failed; the message says what to do."""
 
 
-def lmcache_executable() -> str:
-    """The ``lmcache`` console script of this interpreter's environment (then PATH)."""
-    beside = Path(sys.executable).parent / "lmcache"
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which("lmcache")
-    if found is None:
+#: ``lmcache`` run by this interpreter: the server imports the kvpersist adapter from the same
+#: environment as the tool that starts it (its ``lmcache`` console script could belong to another).
+LMCACHE_ENTRY = ("-c", "import sys; from lmcache.cli.main import main; sys.exit(main())")
+
+
+def lmcache_command() -> list[str]:
+    """The ``lmcache`` command line prefix of this interpreter's environment."""
+    if importlib.util.find_spec("lmcache") is None:
         raise ServerError(
-            "the 'lmcache' command is not installed; run the README's set-up (scripts/bootstrap.sh)"
+            f"LMCache is not installed for {sys.executable}; install lmcache==0.5.6 there "
+            "(in a checkout: scripts/bootstrap.sh)"
         )
-    return found
+    return [sys.executable, *LMCACHE_ENTRY]
 
 
 def server_command(settings: ServerSettings, executable: str | None = None) -> list[str]:
     """The ``lmcache server`` argv for ``settings`` (pure; no I/O beyond the template file)."""
     return [
-        executable or lmcache_executable(),
+        *([executable] if executable else lmcache_command()),
         "server",
         "--host", settings.bind_host,
         "--port", str(settings.zmq_port),

@@ -11,6 +11,7 @@ from ..config.server import ServerSettings, load_settings
 from ..demo.stack import free_port
 from ..demo.tiny_model import TINY_PINS as TINY_PINS
 from ..identity import FIELDS, load_pins
+from ..l2.layout import KeyFields
 from ..serving import http
 
 
@@ -71,3 +72,8 @@ def kvpersist_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
     """Validated settings of a test server with the kvpersist adapter on ``root``."""
     return load_settings(server_env(root, KVP_CACHE_BUDGET_GB=budget_gb,
                                     KVP_L2_ADAPTER="kvpersist"))
+
+
+def key_of(i: int, namespace: str = "kvp-" + "a" * 32, model: str = "org/model") -> KeyFields:
+    """A distinct object key per ``i`` in ``namespace``."""
+    return KeyFields(f"{model}/{namespace}", 0, 0, i.to_bytes(32, "big"), "")

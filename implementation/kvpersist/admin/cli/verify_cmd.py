@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from ...config.server import ServerSettings
 from ...l2.inventory import LIVE
 from ...l2.layout import SUFFIX
+from ...l2.store import KvFileStore, RootLockedError
+from ..budget import GIB
 from ..progress import stderr_progress
 from ..verify import verify_files
 from .common import (
+    EXIT_ERROR,
     EXIT_OFF,
     EXIT_OK,
     Subparsers,
@@ -20,8 +25,34 @@ from .common import (
 )
 
 
+def cmd_check(settings: ServerSettings, as_json: bool) -> int:
+    """The store's consistency oracle on a root no server serves (it takes the root's lock)."""
+    store = KvFileStore(settings.cache_root, int(settings.budget_gb * GIB),
+                        sharded=settings.l2_sharded)
+    try:
+        store.open(background_scan=False, remove_temps=False)
+    except RootLockedError as exc:
+        print(f"kvp-admin verify --check: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        problems = store.check(deep=True)
+        files, used, _ = store.index.totals()
+    finally:
+        store.close()
+    if as_json:
+        print_json({"files": files, "bytes": used, "problems": problems})
+    else:
+        print(f"checked {files} files ({gib(used)} GiB): "
+              + ("consistent" if not problems else f"{len(problems)} problem(s)"))
+        for problem in problems:
+            print(f"  {problem}")
+    return EXIT_OFF if problems else EXIT_OK
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     settings = settings_or_exit()
+    if args.check:
+        return cmd_check(settings, args.json)
     inv = inventory_or_exit(settings, "verify")
     rate = args.max_mb_per_s * 1024**2 if args.max_mb_per_s else None
     files = [inv.file(i) for i in inv.of_class(LIVE) if inv.name(int(i)).endswith(SUFFIX)]
@@ -53,5 +84,10 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument("--quarantine", action="store_true", help="move failures to quarantine/")
     p.add_argument("--max-mb-per-s", type=float, help="throttle reads to this rate")
+    p.add_argument("--check", action="store_true",
+                   help="with the server stopped: open the root as the server would (no temp "
+                   "file is removed) and check that the index equals the files, the byte count "
+                   "their sizes, no temp file is left, every file verifies, and quarantine "
+                   "holds only failures (KvFileStore.check); exit 3 if anything is found")
     add_json(p)
     p.set_defaults(func=cmd_verify)

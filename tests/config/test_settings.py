@@ -1,0 +1,98 @@
+"""Every setting is parsed in one place, one way: the same words mean the same everywhere, and a
+bad value is an error that names the setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpersist.config import values
+from kvpersist.config.admin import load_admin_settings
+from kvpersist.config.client import ConnectorOptions, load_launcher_settings
+from kvpersist.config.server import load_settings
+from kvpersist.config.values import SettingsError
+from kvpersist.l2.adapter import KvPersistL2AdapterConfig
+
+WORDS = [("1", True), ("true", True), ("YES", True), ("on", True), (" On ", True),
+         ("0", False), ("false", False), ("no", False), ("OFF", False)]
+
+
+@pytest.mark.parametrize(("word", "meaning"), WORDS)
+def test_booleans_mean_the_same_in_settings_and_in_the_adapter(tmp_path: Path, word: str,
+                                                               meaning: bool) -> None:
+    server = load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path), "KVP_L2_SHARDED": word})
+    adapter = KvPersistL2AdapterConfig.from_dict(
+        {"path": str(tmp_path), "max_capacity_gb": 1, "sharded": word, "fsync": word})
+    launcher = load_launcher_settings({"KV_PERSIST": word})
+    assert server.l2_sharded is adapter.sharded is adapter.fsync is launcher.persist is meaning
+
+
+@pytest.mark.parametrize("word", ["maybe", "2", "enabled", ""])
+def test_an_unknown_boolean_is_an_error_everywhere(tmp_path: Path, word: str) -> None:
+    if word:
+        with pytest.raises(SettingsError, match="KVP_L2_SHARDED"):
+            load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path), "KVP_L2_SHARDED": word})
+        with pytest.raises(SettingsError, match="KV_PERSIST"):
+            load_launcher_settings({"KV_PERSIST": word})
+    with pytest.raises(ValueError, match="kvpersist L2 adapter: sharded"):
+        KvPersistL2AdapterConfig.from_dict({"path": "/x", "max_capacity_gb": 1, "sharded": word})
+
+
+def test_connector_options_from_extra_config_then_environment() -> None:
+    opts = ConnectorOptions.from_extra_config(
+        {"kvpersist.pins": "/p.env", "kvpersist.lookup_timeout_s": 7, "lmcache.mp.port": 5555},
+        environ={"KVP_LOOKUP_TIMEOUT_S": "9", "KVP_CACHE_ROOT": "/root"})
+    assert (opts.pins, opts.lookup_timeout_s, opts.cache_root) == ("/p.env", 7.0, "/root")
+    defaults = ConnectorOptions.from_extra_config({}, environ={})
+    assert defaults.lookup_timeout_s == 5.0 and defaults.pins is None
+
+
+@pytest.mark.parametrize(("extra", "environ", "named"), [
+    ({"kvpersist.lookup_timeout_s": "abc"}, {}, "kvpersist.lookup_timeout_s"),
+    ({"kvpersist.lookup_timeout_s": 0}, {}, "kvpersist.lookup_timeout_s"),
+    ({"kvpersist.lookup_timeout_s": True}, {}, "kvpersist.lookup_timeout_s"),
+    ({}, {"KVP_LOOKUP_TIMEOUT_S": "inf"}, "KVP_LOOKUP_TIMEOUT_S"),
+    ({"kvpersist.cache_rot": "/x"}, {}, "kvpersist.cache_rot"),
+    ({"kvpersist.http_url": ["x"]}, {}, "kvpersist.http_url"),
+])
+def test_bad_connector_options_name_the_setting(extra: dict[str, object], environ: dict[str, str],
+                                                named: str) -> None:
+    with pytest.raises(SettingsError, match=named.replace(".", r"\.")):
+        ConnectorOptions.from_extra_config(extra, environ=environ)
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("KVP_HEARTBEAT_S", "-1"), ("KVP_MQ_TIMEOUT_S", "soon"), ("KVP_LOOKUP_TIMEOUT_S", "nan"),
+    ("KVP_MP_TRANSFER_MODE", "telepathy"), ("KV_PERSIST", "sometimes"),
+])
+def test_bad_launcher_variables_name_themselves(var: str, value: str) -> None:
+    with pytest.raises(SettingsError, match=var):
+        load_launcher_settings({var: value})
+
+
+def test_launcher_defaults() -> None:
+    s = load_launcher_settings({})
+    assert (s.persist, s.lookup_timeout_s, s.heartbeat_s, s.mq_timeout_s, s.transfer_mode) == (
+        True, 5.0, 2.0, 15.0, None)
+
+
+@pytest.mark.parametrize(("var", "value"), [("KVP_WALKER", "rust"), ("KVP_WALK_THREADS", "-2"),
+                                            ("KVP_WALK_THREADS", "many")])
+def test_bad_admin_variables_name_themselves(var: str, value: str) -> None:
+    with pytest.raises(SettingsError, match=var):
+        load_admin_settings({var: value})
+
+
+def test_admin_settings() -> None:
+    s = load_admin_settings({"KVP_QUOTAS_FILE": "/q.json", "KVP_WALKER": "python",
+                             "KVP_WALK_THREADS": "3", "KVP_CACHE_DEVICE": "/dev/x"})
+    assert (s.quotas_file, s.walker, s.walk_threads, s.cache_device) == (
+        Path("/q.json"), "python", 3, Path("/dev/x"))
+
+
+def test_value_parsers_refuse_booleans_as_numbers() -> None:
+    with pytest.raises(SettingsError):
+        values.positive_float("x", True)
+    with pytest.raises(SettingsError):
+        values.positive_int("x", False)
