@@ -73,6 +73,7 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
         assert stored, "no L2 files after the first request"
         assert all(name.startswith(prefix) for name in stored), (prefix, list(stored))
         assert metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total") == 0
+        assert first.cached_tokens == 0
         vllm.stop()
         stop_server(settings)
 
@@ -84,6 +85,8 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
         l2_hits = lmcache_metric(settings, "lmcache_mp_lookup_hit_l2_tokens_total")
         assert hits >= 256 * len(stored) - 256, (hits, len(stored))
         assert l2_hits > 0
+        # The client sees the restore (the launcher turns on prompt-token details).
+        assert second.cached_tokens == hits, (second.cached_tokens, hits)
         assert second.tokens == first.tokens
         assert second.logprobs == first.logprobs
         assert second.text == first.text

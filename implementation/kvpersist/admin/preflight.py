@@ -130,10 +130,11 @@ def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | No
     checks.append(Check("persist_enabled", "ok" if adapter.get("persist_enabled") else "error",
                         f"L2 adapter {settings.l2_adapter}: persist_enabled="
                         f"{adapter.get('persist_enabled')}"))
-    if settings.l2_adapter == "nixl_store_dynamic":
+    if settings.l2_adapter != "kvpersist":
         checks.append(Check("read verification", "warn",
-                            "nixl_store_dynamic has no read checksum and restarts its capacity "
-                            "count at zero; KVP_L2_ADAPTER=kvpersist verifies every read"))
+                            f"{settings.l2_adapter} has no read checksum and does not restore its "
+                            "capacity count after a restart; KVP_L2_ADAPTER=kvpersist verifies "
+                            "every read"))
 
     shell_telemetry = env.get("LMCACHE_TRACK_USAGE", "").lower() in ("1", "true", "yes")
     checks.append(Check("telemetry", "ok",

@@ -32,8 +32,10 @@ CHAT_TEMPLATE_KEY = "kvpersist.chat_template_file"
 HTTP_URL_KEY = "kvpersist.http_url"
 CACHE_ROOT_KEY = "kvpersist.cache_root"
 LOOKUP_TIMEOUT_KEY = "kvpersist.lookup_timeout_s"
+LOOKUP_MAX_KEY = "kvpersist.lookup_max_s"
 
-DEFAULT_LOOKUP_TIMEOUT_S = 5.0
+DEFAULT_LOOKUP_TIMEOUT_S = 5.0  # the longest a lookup may go without progress
+DEFAULT_LOOKUP_MAX_S = 600.0  # the longest a lookup may take, progressing or not
 DEFAULT_HEARTBEAT_S = 2.0
 DEFAULT_MQ_TIMEOUT_S = 15.0
 
@@ -44,6 +46,7 @@ _OPTION_ENV: dict[str, str] = {
     HTTP_URL_KEY: "KVP_SERVER_HTTP_URL",
     CACHE_ROOT_KEY: "KVP_CACHE_ROOT",
     LOOKUP_TIMEOUT_KEY: "KVP_LOOKUP_TIMEOUT_S",
+    LOOKUP_MAX_KEY: "KVP_LOOKUP_MAX_S",
 }
 KNOWN_OPTIONS = tuple(_OPTION_ENV)
 
@@ -67,6 +70,7 @@ class ConnectorOptions:
     http_url: str | None = None
     cache_root: str | None = None
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    lookup_max_s: float = DEFAULT_LOOKUP_MAX_S
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None,
@@ -85,12 +89,19 @@ class ConnectorOptions:
                 raise SettingsError(f"{label}={value!r} must be a string")
             texts[key] = value
         label, timeout = _raw(extra, env, LOOKUP_TIMEOUT_KEY)
-        return cls(
+        max_label, ceiling = _raw(extra, env, LOOKUP_MAX_KEY)
+        options = cls(
             pins=texts[PINS_KEY], chat_template_file=texts[CHAT_TEMPLATE_KEY],
             http_url=texts[HTTP_URL_KEY], cache_root=texts[CACHE_ROOT_KEY],
             lookup_timeout_s=(DEFAULT_LOOKUP_TIMEOUT_S if timeout is None
                               else values.positive_float(label, timeout)),
+            lookup_max_s=(DEFAULT_LOOKUP_MAX_S if ceiling is None
+                          else values.positive_float(max_label, ceiling)),
         )
+        if options.lookup_max_s < options.lookup_timeout_s:
+            raise SettingsError(f"{max_label}={options.lookup_max_s:g} is below the lookup "
+                                f"deadline {label}={options.lookup_timeout_s:g}")
+        return options
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,7 @@ class LauncherSettings:
     vllm_exec: str  # a command prefix, e.g. "docker exec <container>"
     python: str | None  # the Python with vLLM, LMCache and kvpersist (None: this one)
     lookup_timeout_s: float
+    lookup_max_s: float
     heartbeat_s: float
     mq_timeout_s: float
     transfer_mode: str | None  # None: chosen from the machine (see serving.launcher)
@@ -125,6 +137,7 @@ def load_launcher_settings(environ: Mapping[str, str] | None = None) -> Launcher
         vllm_exec=get("KVP_VLLM_EXEC") or "",
         python=get("KVP_PYTHON"),
         lookup_timeout_s=seconds("KVP_LOOKUP_TIMEOUT_S", DEFAULT_LOOKUP_TIMEOUT_S),
+        lookup_max_s=seconds("KVP_LOOKUP_MAX_S", DEFAULT_LOOKUP_MAX_S),
         heartbeat_s=seconds("KVP_HEARTBEAT_S", DEFAULT_HEARTBEAT_S),
         mq_timeout_s=seconds("KVP_MQ_TIMEOUT_S", DEFAULT_MQ_TIMEOUT_S),
         transfer_mode=None if mode is None else values.choice("KVP_MP_TRANSFER_MODE", mode,

@@ -126,6 +126,7 @@ class VllmProcess:
     port: int = field(default_factory=free_port)
     extra_args: list[str] = field(default_factory=list)
     kv_persist: bool = True
+    max_model_len: int = 2048
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -135,7 +136,7 @@ class VllmProcess:
     def command(self) -> list[str]:
         return [*LAUNCHER, str(self.model_dir), "--host", "127.0.0.1",
                 "--port", str(self.port), "--served-model-name", SERVED_MODEL_NAME,
-                "--dtype", "float32", "--max-model-len", "2048",
+                "--dtype", "float32", "--max-model-len", str(self.max_model_len),
                 # Prefill in steps of one LMCache chunk: a cold request then computes the tail
                 # after the last full chunk exactly as a warm request (prefix loaded from L2)
                 # does, so the two give bit-identical logprobs, not merely close ones.

@@ -20,6 +20,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 MODEL_ID = "kvpersist/tiny-llama"
 #: The pins of the model this module builds (package data; ``configs/tiny-llama`` links here).
@@ -30,6 +31,31 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MAX_POS = 128, 2, 4, 2, 32, 2048
+
+
+class Geometry(NamedTuple):
+    """The shape of a generated model; its KV per token is what a restore moves."""
+
+    model_id: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    max_pos: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer, float32."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * 4
+
+
+#: The demo's model: 1 KiB of KV per token.
+TINY = Geometry(MODEL_ID, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MAX_POS)
+#: The demo's model with a 40k-token context: long conversations at 1 KiB of KV per token.
+LONG_CONTEXT = Geometry("kvpersist/tiny-llama-long", HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, 40960)
+#: Cheap to compute, 64 KiB of KV per token (a 2k-token chat is 128 MiB): for restore tests.
+WIDE_KV = Geometry("kvpersist/tiny-llama-wide-kv", 512, 16, 8, 8, 64, 4096)
 
 
 def content_revision(folder: Path) -> str:
@@ -43,7 +69,7 @@ def content_revision(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_tokenizer(folder: Path) -> int:
+def _write_tokenizer(folder: Path, max_pos: int) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -60,7 +86,7 @@ def _write_tokenizer(folder: Path) -> int:
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
-        model_max_length=MAX_POS,
+        model_max_length=max_pos,
     )
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(folder))
@@ -75,19 +101,19 @@ def _write_tokenizer(folder: Path) -> int:
     return len(vocab)
 
 
-def _write_model(folder: Path, vocab_size: int) -> None:
+def _write_model(folder: Path, vocab_size: int, geometry: Geometry) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=HIDDEN,
-        intermediate_size=4 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POS,
+        hidden_size=geometry.hidden,
+        intermediate_size=4 * geometry.hidden,
+        num_hidden_layers=geometry.layers,
+        num_attention_heads=geometry.heads,
+        num_key_value_heads=geometry.kv_heads,
+        head_dim=geometry.head_dim,
+        max_position_embeddings=geometry.max_pos,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -103,16 +129,16 @@ def _write_model(folder: Path, vocab_size: int) -> None:
     model.save_pretrained(str(folder), safe_serialization=True)
 
 
-def build_tiny_model(out_dir: str | Path) -> Path:
-    """Build (or reuse) the tiny model under ``out_dir``; return its snapshot folder."""
+def build_tiny_model(out_dir: str | Path, geometry: Geometry = TINY) -> Path:
+    """Build (or reuse) the model of ``geometry`` under ``out_dir``; return its snapshot folder."""
     out = Path(out_dir)
-    repo_dir = out / ("models--" + MODEL_ID.replace("/", "--"))
+    repo_dir = out / ("models--" + geometry.model_id.replace("/", "--"))
     snapshots = repo_dir / "snapshots"
     with tempfile.TemporaryDirectory(dir=out if out.exists() else None) as tmp:
         staging = Path(tmp) / "snapshot"
         staging.mkdir()
-        vocab_size = _write_tokenizer(staging)
-        _write_model(staging, vocab_size)
+        vocab_size = _write_tokenizer(staging, geometry.max_pos)
+        _write_model(staging, vocab_size, geometry)
         revision = content_revision(staging)
         final = snapshots / revision
         if not final.is_dir():
@@ -130,9 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         "in HF cache layout and print its snapshot folder. No network access is used.",
     )
     parser.add_argument("out_dir", help="folder to build into (the HF-cache-style root)")
+    parser.add_argument("--wide-kv", action="store_true",
+                        help="the restore tests' geometry (16 layers x 8 KV heads x 64: 64 KiB of "
+                        "KV per token) instead of the demo's (1 KiB per token)")
     args = parser.parse_args(argv)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    print(build_tiny_model(args.out_dir))
+    print(build_tiny_model(args.out_dir, WIDE_KV if args.wide_kv else TINY))
     return 0
 
 

@@ -12,7 +12,9 @@ Load it through LMCache's plugin adapter type::
 
 Invariants (the store's, see :mod:`kvpersist.l2.store`, plus):
 
-* A load task sets a key's bit only when :meth:`KvFileStore.read_into` verified its bytes.
+* A load task sets a key's bit only when :meth:`KvFileStore.read_into` verified its bytes; a
+  task's files are read in parallel (``file_threads``), each checked as it arrives, so a failure
+  of one file is a miss of that key only.
 * A lookup sets a key's bit only if the file is indexed (or present on disk during the scan).
 * LMCache's byte accounting (``_notify_keys_stored``/``_notify_keys_deleted``) receives exactly
   the index changes of the store, so ``get_usage()`` equals the on-disk bytes of the index,
@@ -24,8 +26,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
@@ -46,9 +49,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpersist.l2")
 _GB = 1024**3
+_T = TypeVar("_T")
 
 
-_KNOWN_PARAMS = {"path", "max_capacity_gb", "sharded", "fsync", "io_threads",
+_KNOWN_PARAMS = {"path", "max_capacity_gb", "sharded", "fsync", "io_threads", "file_threads",
                  "quarantine_max_files"}
 
 
@@ -56,12 +60,14 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
     """Config of the kvpersist L2 adapter (``adapter_params`` of the plugin entry)."""
 
     def __init__(self, path: str, max_capacity_gb: float, *, sharded: bool = False,
-                 fsync: bool = False, io_threads: int = 4, quarantine_max_files: int = 1024) -> None:
+                 fsync: bool = False, io_threads: int = 4, file_threads: int = 16,
+                 quarantine_max_files: int = 1024) -> None:
         self.path = path
         self.max_capacity_gb = max_capacity_gb
         self.sharded = sharded
         self.fsync = fsync
         self.io_threads = io_threads
+        self.file_threads = file_threads
         self.quarantine_max_files = quarantine_max_files
 
     @classmethod
@@ -80,6 +86,7 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                 sharded=values.boolean("sharded", d.get("sharded", False)),
                 fsync=values.boolean("fsync", d.get("fsync", False)),
                 io_threads=values.positive_int("io_threads", d.get("io_threads", 4)),
+                file_threads=values.positive_int("file_threads", d.get("file_threads", 16)),
                 quarantine_max_files=values.positive_int(
                     "quarantine_max_files", d.get("quarantine_max_files", 1024)),
             )
@@ -95,7 +102,9 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- sharded (bool): two-level ab/cd/ directories by chunk hash (default false)\n"
             "- fsync (bool): fsync each file before publishing (default false; the checksum\n"
             "  already turns a torn write after power loss into a miss)\n"
-            "- io_threads (int): parallel file I/O threads (default 4)\n"
+            "- io_threads (int): LMCache tasks (store, lookup, load) run at once (default 4)\n"
+            "- file_threads (int): files read or written at once across all tasks, each read\n"
+            "  verified as it arrives (default 16: many reads in flight for NVMe)\n"
             "- quarantine_max_files (int): beyond this, corrupt files are removed, not kept"
         )
 
@@ -138,7 +147,9 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._done_lookup: dict[L2TaskId, Bitmap] = {}
         self._done_load: dict[L2TaskId, Bitmap] = {}
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads,
-                                        thread_name_prefix="kvpersist-l2-io")
+                                        thread_name_prefix="kvpersist-l2-task")
+        self._files = ThreadPoolExecutor(max_workers=config.file_threads,
+                                         thread_name_prefix="kvpersist-l2-file")
         self._store.open(background_scan=True)
         logger.info("kvpersist L2 adapter on %s: capacity %.3f GiB, sharded=%s",
                     config.path, config.max_capacity_gb, config.sharded)
@@ -172,11 +183,28 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._pool.submit(self._run_store, tid, list(keys), list(objects))
         return tid
 
+    def _each_file(self, tid: L2TaskId, what: str, call: Callable[[int], _T],
+                   count: int) -> list[_T | None]:
+        """``call(i)`` for i in range(count) on the file pool, many at once; None where it
+        raised (logged).  Returns when every call has finished."""
+        futures = [self._files.submit(call, i) for i in range(count)]
+        results: list[_T | None] = []
+        for i, future in enumerate(futures):
+            try:
+                results.append(future.result())
+            except Exception:
+                logger.exception("kvpersist L2 %s task %d: file %d failed", what, tid, i)
+                results.append(None)
+        return results
+
     def _run_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         ok, written = True, 0
         try:
-            for key, obj in zip(keys, objects, strict=True):
-                outcome = self._store.put(to_fields(key), obj.byte_array, _layout_of(obj))
+            outcomes = self._each_file(
+                tid, "store", lambda i: self._store.put(
+                    to_fields(keys[i]), objects[i].byte_array, _layout_of(objects[i])),
+                len(keys))
+            for outcome, obj in zip(outcomes, objects, strict=True):
                 if outcome == "stored":
                     written += len(memoryview(obj.byte_array).cast("B"))
                 elif outcome != "exists":
@@ -227,13 +255,18 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return tid
 
     def _run_load(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
+        """Every key's file is read on the file pool at once, each verified as it arrives."""
         bitmap = Bitmap(len(keys))
         loaded: list[ObjectKey] = []
         try:
-            for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
-                if self._store.read_into(to_fields(key), obj.byte_array):
+            hits = self._each_file(
+                tid, "load", lambda i: self._store.read_into(to_fields(keys[i]),
+                                                             objects[i].byte_array),
+                len(keys))
+            for i, hit in enumerate(hits):
+                if hit:
                     bitmap.set(i)
-                    loaded.append(key)
+                    loaded.append(keys[i])
         except Exception:
             logger.exception("kvpersist L2 load task %d failed", tid)
         if loaded:
@@ -279,6 +312,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._files.shutdown(wait=True, cancel_futures=False)
         self._store.close()
         self._store_efd.close()
         self._lookup_efd.close()

@@ -18,6 +18,7 @@ import errno
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +41,22 @@ def publish(path: Path, key: KeyFields, payload: memoryview, layout: dict[str, A
     write_atomic(path, (header, payload), fsync=fsync)
 
 
-def read_verified(fd: int, key: KeyFields, out: memoryview) -> float:
+def read_verified(fd: int, key: KeyFields, out: memoryview,
+                  on_read: Callable[[int], None] | None = None) -> float:
     """Fill ``out`` from the open file ``fd`` if, and only if, it is exactly ``key``'s object.
 
-    Returns the seconds spent on the payload digest.  Raises FormatError (reason tag) otherwise.
+    The kernel is asked to read the whole payload ahead (``POSIX_FADV_WILLNEED``), so the device
+    has the file's reads in flight while earlier segments are hashed.  ``on_read(n)`` is called
+    after each segment (progress).  Returns the seconds spent on the payload digest.  Raises
+    FormatError (reason tag) otherwise.
     """
     header = parse_header(os.pread(fd, HEADER_SIZE, 0))
     check_header(header, key, out.nbytes)
     file_size = os.fstat(fd).st_size
     if file_size != HEADER_SIZE + out.nbytes:
         raise FormatError("size-mismatch", f"{file_size} bytes on disk")
+    if out.nbytes > VERIFY_SEGMENT:
+        os.posix_fadvise(fd, HEADER_SIZE, out.nbytes, os.POSIX_FADV_WILLNEED)
     hasher = payload_hasher()
     spent = 0.0
     done = 0
@@ -60,6 +67,8 @@ def read_verified(fd: int, key: KeyFields, out: memoryview) -> float:
         hasher.update(segment[:got])
         spent += time.perf_counter() - began
         done += got
+        if on_read is not None:
+            on_read(got)
         if got < segment.nbytes:
             raise FormatError("truncated", f"{done} of {out.nbytes} bytes")
     if hasher.digest() != header.checksum:

@@ -28,7 +28,8 @@ class StoreStats:
     loads: int = 0
     load_hits: int = 0
     load_misses: int = 0
-    loaded_bytes: int = 0
+    loaded_bytes: int = 0  # verified payload bytes handed to LMCache
+    read_bytes: int = 0  # payload bytes read so far, failed reads included (load progress)
     load_seconds: float = 0.0
     verify_seconds: float = 0.0
     quarantined: int = 0

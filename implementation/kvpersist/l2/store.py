@@ -222,7 +222,7 @@ class KvFileStore:
             self.stats.add(loads=1, load_misses=1)
             return False
         try:
-            verify_seconds = read_verified(fd, key, out)
+            verify_seconds = read_verified(fd, key, out, self._count_read)
         except FormatError as exc:
             os.close(fd)
             self.stats.add(loads=1)
@@ -240,6 +240,9 @@ class KvFileStore:
                        verify_seconds=verify_seconds,
                        load_seconds=time.perf_counter() - began)
         return True
+
+    def _count_read(self, nbytes: int) -> None:
+        self.stats.add(read_bytes=nbytes)
 
     def _quarantine(self, path: Path, key: KeyFields, reason: str, detail: str) -> None:
         self.stats.failed(reason)

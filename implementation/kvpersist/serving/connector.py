@@ -25,10 +25,13 @@ Invariants
   the engine collects after the workers registered their KV caches and hands to the scheduler's
   connector before serving starts); a scheduler that learns of a closed worker closes too.  No
   state is kept outside the processes.
-* **A dead cache service never stalls serving.**  A request waits at most
-  ``kvpersist.lookup_timeout_s`` for its lookup; then it bypasses the cache and is recomputed.
-  LMCache's heartbeat marks the server unhealthy and, once it answers again, re-registers the
-  KV caches, so caching resumes without restarting vLLM.
+* **A dead or stalled cache service never stalls serving; a long restore is never abandoned
+  while it progresses.**  A lookup (which includes the L2→L1 load) is abandoned, and the request
+  recomputed, when the heartbeat says the server is down, after ``kvpersist.lookup_timeout_s``
+  without progress, or after ``kvpersist.lookup_max_s`` in all
+  (:mod:`kvpersist.serving.lookup_deadline`).  LMCache's heartbeat marks the server unhealthy
+  and, once it answers again, re-registers the KV caches, so caching resumes without restarting
+  vLLM.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from __future__ import annotations
 import abc
 import copy
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..config.client import ConnectorOptions
 from ..identity import CacheIdentity
 from .gate import decide, record_identity
+from .lookup_deadline import LookupDeadline, ServerProgressProbe
 
 if TYPE_CHECKING:
     import torch
@@ -133,36 +136,41 @@ class DisabledKvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
 
 class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
-    """LMCache's MP connector with ``<model id>/<namespace>`` as model name and a bounded lookup."""
+    """LMCache's MP connector with ``<model id>/<namespace>`` as model name and a lookup that is
+    abandoned only when the server stalls (:mod:`kvpersist.serving.lookup_deadline`)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
                  *, identity: CacheIdentity, options: ConnectorOptions) -> None:
         super().__init__(with_model_name(vllm_config, identity.lmcache_model_name()), role,
                          kv_cache_config)
         self.kvp_identity = identity
-        self._kvp_lookup_timeout_s = options.lookup_timeout_s
-        self._kvp_lookup_began: dict[str, float] = {}
+        self._kvp_deadline = LookupDeadline(options.lookup_timeout_s, options.lookup_max_s)
+        self._kvp_probe: ServerProgressProbe | None = None
+        if role is KVConnectorRole.SCHEDULER and options.http_url:
+            self._kvp_probe = ServerProgressProbe(options.http_url.rstrip("/") + "/status",
+                                                  self._kvp_deadline)
         self.kvp_bypassed_requests = 0
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """LMCache's lookup, bounded by ``kvpersist.lookup_timeout_s``: past it, or while the
-        heartbeat says the server is down, the request bypasses the cache (a recompute)."""
+        """LMCache's lookup, abandoned (the request bypasses the cache and is recomputed) when
+        the heartbeat says the server is down, when it makes no progress for
+        ``kvpersist.lookup_timeout_s``, or after ``kvpersist.lookup_max_s`` in all."""
         rid = request.request_id
-        began = self._kvp_lookup_began.setdefault(rid, time.monotonic())
-        waited = time.monotonic() - began
-        if waited > self._kvp_lookup_timeout_s or not self.scheduler_adapter.is_healthy:
-            self._kvp_bypass(request, waited)
+        self._kvp_deadline.begin(rid)
+        why = self._kvp_deadline.verdict(rid, healthy=self.scheduler_adapter.is_healthy)
+        if why is not None:
+            self._kvp_bypass(request, why)
             return 0, False
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens)
         if result[0] is not None:
-            self._kvp_lookup_began.pop(rid, None)
+            self._kvp_deadline.end(rid)
         return result
 
-    def _kvp_bypass(self, request: Any, waited: float) -> None:
+    def _kvp_bypass(self, request: Any, why: str) -> None:
         rid = request.request_id
-        self._kvp_lookup_began.pop(rid, None)
+        self._kvp_deadline.end(rid)
         tracker = self._get_or_create_request_tracker(request)
         if tracker.state == LMCacheMPRequestState.BYPASS_LMCACHE:
             return
@@ -170,18 +178,22 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         tracker.num_lmcache_hit_tokens = 0
         tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
         self.kvp_bypassed_requests += 1
-        logger.warning("kvpersist: request %s bypasses the KV cache after %.1fs (server %s); "
-                       "it is recomputed", rid, waited,
-                       "unhealthy" if not self.scheduler_adapter.is_healthy else "slow")
+        logger.warning("kvpersist: request %s bypasses the KV cache (%s); it is recomputed",
+                       rid, why)
+
+    def shutdown(self) -> None:
+        if self._kvp_probe is not None:
+            self._kvp_probe.close()
+        super().shutdown()
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        self._kvp_lookup_began.pop(request.request_id, None)
+        self._kvp_deadline.end(request.request_id)
         result: tuple[bool, dict[str, Any] | None] = super().request_finished(request, block_ids)
         return result
 
     def request_finished_all_groups(self, request: Any, block_ids: Any
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        self._kvp_lookup_began.pop(request.request_id, None)
+        self._kvp_deadline.end(request.request_id)
         result: tuple[bool, dict[str, Any] | None] = super().request_finished_all_groups(
             request, block_ids)
         return result

@@ -11,10 +11,13 @@ Invariants
 * The LMCache server address comes from the same settings as the server launcher
   (``KVP_BIND_HOST``, ``KVP_ZMQ_PORT``), so the two cannot drift apart.
 * A dead cache service is noticed within ``KVP_HEARTBEAT_S`` (default 2 s; LMCache's default is
-  10 s) and a request waits at most ``KVP_LOOKUP_TIMEOUT_S`` (5 s) for its lookup; blocking
+  10 s); a lookup is abandoned after ``KVP_LOOKUP_TIMEOUT_S`` (5 s) without progress, or after
+  ``KVP_LOOKUP_MAX_S`` (600 s) in all (:mod:`kvpersist.serving.lookup_deadline`); blocking
   LMCache calls (registration, shutdown) give up after ``KVP_MQ_TIMEOUT_S`` (15 s; LMCache: 300 s).
 * On a machine without CUDA the transfer mode is ``engine_driven``: ``lmcache_driven`` leaves
   a 1 GiB ``/dev/shm`` segment per vLLM run there.  ``KVP_MP_TRANSFER_MODE`` overrides.
+* With persistence on, vLLM also gets ``--enable-prompt-tokens-details``, so a client sees the
+  restored prefix as ``usage.prompt_tokens_details.cached_tokens``.
 * ``KV_PERSIST=0`` runs the recipe's arguments untouched; the vLLM process always gets the
   telemetry-off environment.
 """
@@ -36,6 +39,7 @@ from ..config.server import ServerSettings, load_settings
 from ..config.values import SettingsError
 
 VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")  # `vllm serve` needs a dist named vllm
+PROMPT_DETAILS_FLAG = "--enable-prompt-tokens-details"
 
 
 def default_transfer_mode() -> str:
@@ -70,6 +74,7 @@ def kv_transfer_config(
         "kvpersist.http_url": settings.http_url,
         "kvpersist.cache_root": str(settings.cache_root),
         "kvpersist.lookup_timeout_s": run.lookup_timeout_s,
+        "kvpersist.lookup_max_s": run.lookup_max_s,
     }
     if chat_template_file:
         extra_config["kvpersist.chat_template_file"] = str(Path(chat_template_file).absolute())
@@ -105,6 +110,8 @@ def vllm_command(model: str, recipe_args: Sequence[str], *, launcher: LauncherSe
         config = kv_transfer_config(settings, launcher.identity_pins, launcher=launcher,
                                     chat_template_file=chat_template_arg(args))
         args += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+        if PROMPT_DETAILS_FLAG not in args:  # clients see usage.prompt_tokens_details.cached_tokens
+            args.append(PROMPT_DETAILS_FLAG)
     python = launcher.python or sys.executable
     return [*shlex.split(launcher.vllm_exec), python, *VLLM_ENTRY, "--model", model, *args]
 
@@ -117,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         "arguments pass through unchanged; --kv-transfer-config is added. Environment: "
         "KV_PERSIST=1 (default; 0 runs the recipe without the connector), KVP_IDENTITY_PINS "
         "(configs/<model>/identity.env), KVP_BIND_HOST/KVP_ZMQ_PORT/KVP_HTTP_PORT (the server), "
-        "KVP_LOOKUP_TIMEOUT_S, KVP_HEARTBEAT_S, KVP_MQ_TIMEOUT_S, KVP_MP_TRANSFER_MODE, "
+        "KVP_LOOKUP_TIMEOUT_S, KVP_LOOKUP_MAX_S, KVP_HEARTBEAT_S, KVP_MQ_TIMEOUT_S, KVP_MP_TRANSFER_MODE, "
         "KVP_PYTHON (the Python with vLLM), KVP_VLLM_EXEC (a prefix such as "
         "'docker exec <container>').",
     )

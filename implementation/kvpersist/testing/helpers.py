@@ -11,6 +11,7 @@ from ..config.server import ServerSettings, load_settings
 from ..demo.stack import free_port
 from ..demo.tiny_model import TINY_PINS as TINY_PINS
 from ..identity import FIELDS, load_pins
+from ..identity.sources import CONNECTOR_NAME, from_model_folder
 from ..l2.layout import KeyFields
 from ..serving import http
 
@@ -77,3 +78,15 @@ def kvpersist_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
 def key_of(i: int, namespace: str = "kvp-" + "a" * 32, model: str = "org/model") -> KeyFields:
     """A distinct object key per ``i`` in ``namespace``."""
     return KeyFields(f"{model}/{namespace}", 0, 0, i.to_bytes(32, "big"), "")
+
+
+def pins_for_model(snapshot: Path, path: Path, *, block_size: int = 128,
+                   max_model_len: int = 2048) -> Path:
+    """Write ``path``: the pins of a locally built model folder as vLLM on CPU serves it with
+    ``--dtype float32`` and one process (``build`` is left to the engine)."""
+    fields = {**from_model_folder(snapshot), "block_size": block_size,
+              "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+              "max_model_len": max_model_len, "connector": CONNECTOR_NAME}
+    env = {f.name: f.env for f in FIELDS}
+    path.write_text("".join(f"{env[k]}={v}\n" for k, v in sorted(fields.items())))
+    return path

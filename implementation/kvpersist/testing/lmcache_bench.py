@@ -26,7 +26,8 @@ class BenchDriver:
     """One connected ``ServerBenchClient`` using ``model_name`` for its keys."""
 
     def __init__(self, zmq_url: str, http_url: str, model_name: str, *, num_tokens: int = 1024,
-                 shape_spec: str = SHAPE_SPEC) -> None:
+                 shape_spec: str = SHAPE_SPEC, num_blocks: int = 64,
+                 transfer_mode: str = "engine_driven") -> None:
         from lmcache.cli.commands.bench.server_bench import helpers
         from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
         from lmcache.cli.commands.bench.server_bench.config import BenchConfig
@@ -35,9 +36,9 @@ class BenchDriver:
         self._helpers = helpers
         self.model_name = model_name
         config = BenchConfig(rpc_url=zmq_url, http_url=http_url, mode="cpu",
-                             transfer_mode="engine_driven", tp_size=1, use_mla=False,
+                             transfer_mode=transfer_mode, tp_size=1, use_mla=False,
                              num_tokens=num_tokens, kvcache_shape_spec=shape_spec,
-                             num_blocks=64, block_size=16)
+                             num_blocks=num_blocks, block_size=16)
         self.client = ServerBenchClient(config, log=lambda msg: None)
         self.client.start()
 

@@ -1,0 +1,169 @@
+"""Benchmark (on demand, never in CI): restoring one long request from L2 after a server restart
+with a cold page cache, for kvpersist's adapter and its peers, against a cold raw read of the
+same files in the same run.
+
+For each adapter (kvpersist, LMCache's nixl_store_dynamic and fs), one after another on the same
+disk: LMCache's own bench client stores one request of ``--tokens`` tokens at ``--kv-per-token``
+bytes (the store counts until every L2 file is on disk, against a ``dd`` write of the same bytes
+on the same file system); the server restarts; the page cache is dropped and the L2 files are
+read once with ``cat`` (the cold raw read); the page cache is dropped again and the request is
+restored: LOOKUP (on the server this includes the L2→L1 load) then RETRIEVE (L1→client over
+ZMQ, LMCache's engine_driven transport on CPU), checksums compared.  Ratios are against the
+cold raw read and the ``dd`` write measured in the same round.  Needs root (drop_caches).
+
+    .venv/bin/python benchmarks/bench_restore.py [--root DIR] [--tokens 8192]
+        [--kv-per-token 32768] [--rounds 3] [--adapters kvpersist,nixl_store_dynamic,fs]
+        [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpersist.config.server import ServerSettings, load_settings
+from kvpersist.demo.stack import free_port
+from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing.lmcache_bench import BenchDriver
+from kvpersist.testing.slow_disk import drop_caches
+
+SUFFIX = {"kvpersist": ".kvp", "nixl_store_dynamic": ".bin", "fs": ""}
+MODEL = "bench/restore/kvp-" + "9" * 32
+
+
+def shape_spec(tokens: int, kv_per_token: int) -> tuple[str, int]:
+    """LMCache's bench shape (2, blocks, 16, heads, 128):float16:layers for ``kv_per_token``."""
+    per_layer_head = 2 * 128 * 2  # K and V, head size 128, float16
+    heads = 8
+    layers = kv_per_token // (per_layer_head * heads)
+    if layers < 1 or layers * per_layer_head * heads != kv_per_token:
+        raise SystemExit(f"--kv-per-token must be a multiple of {per_layer_head * heads}")
+    blocks = tokens // 16 + 16
+    return f"(2,{blocks},16,{heads},128):float16:{layers}", blocks
+
+
+def data_files(root: Path, adapter: str) -> list[Path]:
+    skip = {"lmcache-server.log", "lmcache-server.pid", ".kvpersist.lock", "raw.bin"}
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name not in skip
+                  and "quarantine" not in p.parts and p.name.endswith(SUFFIX[adapter]))
+
+
+def timed(cmd: list[str]) -> float:
+    began = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - began
+
+
+def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: float,
+              transfer_mode: str) -> dict[str, Any]:
+    shutil.rmtree(root, ignore_errors=True)
+    settings: ServerSettings = load_settings({
+        "KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(free_port()),
+        "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": str(l1_gb),
+        "KVP_CACHE_BUDGET_GB": "200", "KVP_L2_ADAPTER": adapter})
+    spec, blocks = shape_spec(tokens, kv_per_token)
+    nbytes = tokens // 256 * 256 * kv_per_token
+    start_server(settings)
+    try:
+        d = BenchDriver(f"{settings.zmq_url}:{settings.zmq_port}", settings.http_url, MODEL,
+                        num_tokens=tokens, shape_spec=spec, num_blocks=blocks,
+                        transfer_mode=transfer_mode)
+        began = time.perf_counter()
+        if not d.store(0):
+            raise RuntimeError(f"{adapter}: the store was refused")
+        chunks = tokens // 256
+        while len(data_files(root, adapter)) < chunks:
+            if time.perf_counter() - began > 600:
+                raise RuntimeError(f"{adapter}: {len(data_files(root, adapter))}/{chunks} files")
+            time.sleep(0.01)
+        store_s = time.perf_counter() - began
+        sums = d.checksums(0)
+        d.close()
+        stop_server(settings)
+        raw_write_s = timed(["dd", "if=/dev/zero", f"of={root / 'raw.bin'}", "bs=16M",
+                             f"count={max(1, nbytes >> 24)}"])
+        (root / "raw.bin").unlink()
+        start_server(settings)
+        files = data_files(root, adapter)
+        drop_caches()
+        raw_read_s = timed(["cat", *map(str, files)])
+        drop_caches()
+        d = BenchDriver(f"{settings.zmq_url}:{settings.zmq_port}", settings.http_url, MODEL,
+                        num_tokens=tokens, shape_spec=spec, num_blocks=blocks,
+                        transfer_mode=transfer_mode)
+        request = d._request(0, "load")
+        d.client.zero_destination(request, 0, request.num_full_tokens)
+        began = time.perf_counter()
+        lookup = d.client.lookup(request)
+        lookup_s = time.perf_counter() - began
+        result = d.client.retrieve(request, 0, lookup.hit_chunks * request.chunk_size)
+        whole_s = time.perf_counter() - began
+        got = d.client.compute_checksums(request, 0, request.num_full_tokens)
+        d.client.end_session(request)
+        d.close()
+        ok = (lookup.hit_chunks == chunks and result is not None and result.succeeded
+              and list(got or []) == sums)
+    finally:
+        stop_server(settings)
+    file_bytes = sum(p.stat().st_size for p in files)
+    return {"adapter": adapter, "ok": ok, "hit_chunks": lookup.hit_chunks, "chunks": chunks,
+            "payload_bytes": nbytes, "file_bytes": file_bytes, "store_s": store_s,
+            "raw_write_s": raw_write_s, "raw_read_s": raw_read_s, "l2_to_l1_s": lookup_s,
+            "restore_s": whole_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", help="a directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--kv-per-token", type=int, default=32768)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--l1-gb", type=float, default=2.0)
+    parser.add_argument("--adapters", default="kvpersist,nixl_store_dynamic,fs")
+    parser.add_argument("--transfer-mode", default="engine_driven",
+                        choices=("engine_driven", "lmcache_driven"),
+                        help="how L1 reaches the client (engine_driven: pickled over ZMQ)")
+    parser.add_argument("--json", help="write the per-round results here")
+    args = parser.parse_args()
+    base = Path(args.root or tempfile.mkdtemp(prefix="kvp-restore-"))
+    adapters = args.adapters.split(",")
+    rows: list[dict[str, Any]] = []
+    for n in range(args.rounds):
+        for adapter in adapters if n % 2 == 0 else adapters[::-1]:
+            row = one_round(adapter, base / adapter, args.tokens, args.kv_per_token, args.l1_gb,
+                            args.transfer_mode)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    gb = args.tokens // 256 * 256 * args.kv_per_token / 1e9
+    print(f"\n{args.tokens} tokens x {args.kv_per_token} B = {gb:.2f} GB, {args.transfer_mode}, "
+          f"median of {args.rounds} rounds; ratios against the same round's cold raw read / dd "
+          "write")
+    print(f"{'adapter':<20} {'ok':>4} {'L2->L1 s':>9} {'GB/s':>6} {'x raw read':>10} "
+          f"{'restore s':>10} {'store s':>8} {'x raw write':>11}")
+    for adapter in adapters:
+        mine = [r for r in rows if r["adapter"] == adapter]
+
+        def med(key: str, rows_: list[dict[str, Any]] = mine) -> float:
+            return statistics.median(r[key] for r in rows_)
+
+        read_ratio = statistics.median(r["raw_read_s"] / r["l2_to_l1_s"] for r in mine)
+        write_ratio = statistics.median(r["raw_write_s"] / r["store_s"] for r in mine)
+        print(f"{adapter:<20} {all(r['ok'] for r in mine)!s:>4} {med('l2_to_l1_s'):>9.2f} "
+              f"{gb / med('l2_to_l1_s'):>6.2f} {read_ratio:>10.2f} {med('restore_s'):>10.2f} "
+              f"{med('store_s'):>8.2f} {write_ratio:>11.2f}")
+    print("(x raw read: cold cat time / L2->L1 time, so >= 1 is at least as fast as cat; "
+          "x raw write: dd time / store time)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""When a pending cache lookup is abandoned: a stalled server is bypassed, a long load that
+progresses is waited for.  Pure logic plus a small progress probe; no vLLM import.
+
+A lookup on the LMCache server includes loading the prefix from L2 into L1, so its duration
+grows with the bytes to restore (a 1M-token chat is tens of GB).  A fixed deadline throws those
+restores away exactly when they matter; no deadline lets a hung server hold requests forever.
+
+Invariants
+----------
+* A lookup is abandoned (the request is recomputed) as soon as one of these holds:
+  - the connector's heartbeat says the server is unhealthy;
+  - ``stall_s`` seconds passed since the later of its start and the server's last progress;
+  - ``max_s`` seconds passed since its start (a ceiling, whatever the progress).
+* Progress is any change of the server's load counters (:func:`progress_token`: bytes the L2
+  adapters read or loaded, L1 bytes in use or staged, completed prefetches), polled by
+  :class:`ServerProgressProbe` every ``interval_s`` while lookups are pending, off the
+  scheduler's thread.  It is server-wide: another request's load counts, since a server that
+  moves any load is not stalled.
+* A server that does not answer the probe makes no progress.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import http
+
+Clock = Callable[[], float]
+
+
+def progress_token(status: Mapping[str, Any]) -> tuple[float, ...]:
+    """The counters of the server's ``/status`` that move while a restore progresses."""
+    manager = status.get("storage_manager") or {}
+    adapters = manager.get("l2_adapters") or []
+    l1 = (manager.get("l1_managers") or {}).values()
+    prefetch = manager.get("prefetch_controller") or {}
+    return (
+        float(sum(a.get("read_bytes", 0) or 0 for a in adapters if isinstance(a, Mapping))),
+        float(sum(a.get("loaded_bytes", 0) or 0 for a in adapters if isinstance(a, Mapping))),
+        float(sum((m.get("memory_used_bytes", 0) or 0) + (m.get("staging_bytes", 0) or 0)
+                  for m in l1 if isinstance(m, Mapping))),
+        float(prefetch.get("completed_results_count", 0) or 0),
+        float(prefetch.get("load_phase_count", 0) or 0),
+    )
+
+
+class LookupDeadline:
+    """Per-request bookkeeping of pending lookups (see module invariants)."""
+
+    def __init__(self, stall_s: float, max_s: float, clock: Clock = time.monotonic) -> None:
+        self.stall_s = stall_s
+        self.max_s = max_s
+        self._clock = clock
+        self._began: dict[str, float] = {}
+        self._progress_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def begin(self, rid: str) -> float:
+        """Start (or continue) the wait of ``rid``; returns when it began."""
+        with self._lock:
+            return self._began.setdefault(rid, self._clock())
+
+    def end(self, rid: str) -> None:
+        with self._lock:
+            self._began.pop(rid, None)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._began)
+
+    def progressed(self) -> None:
+        """The server's load counters moved (called by the probe)."""
+        with self._lock:
+            self._progress_at = self._clock()
+
+    def verdict(self, rid: str, *, healthy: bool) -> str | None:
+        """Why ``rid``'s lookup is abandoned now, or None to keep waiting."""
+        with self._lock:
+            began = self._began.get(rid)
+            if began is None:
+                return None
+            now = self._clock()
+            if not healthy:
+                return f"server unhealthy after {now - began:.1f}s"
+            if now - began > self.max_s:
+                return f"still loading after {now - began:.1f}s (limit {self.max_s:.0f}s)"
+            quiet = now - max(began, self._progress_at)
+            if quiet > self.stall_s:
+                return f"no progress for {quiet:.1f}s (server stalled)"
+            return None
+
+
+class ServerProgressProbe:
+    """Polls the server's ``/status`` while lookups are pending and reports progress to a
+    :class:`LookupDeadline`.  A daemon thread; every request it makes has a timeout."""
+
+    def __init__(self, status_url: str, deadline: LookupDeadline, *, interval_s: float = 0.5,
+                 fetch: Callable[[str, float], Mapping[str, Any] | None] | None = None) -> None:
+        self.status_url = status_url
+        self.deadline = deadline
+        self.interval_s = interval_s
+        self._fetch = fetch or _fetch_status
+        self._last: tuple[float, ...] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvpersist-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self.deadline.pending == 0:
+                self._last = None  # the next wait starts from a fresh reading
+                continue
+            status = self._fetch(self.status_url, max(self.interval_s, 0.2))
+            if status is None:
+                continue
+            token = progress_token(status)
+            if self._last is not None and token != self._last:
+                self.deadline.progressed()
+            self._last = token
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _fetch_status(url: str, timeout: float) -> Mapping[str, Any] | None:
+    try:
+        resp = http.get(url, timeout=timeout)
+        body = resp.json() if resp.ok else None
+    except (http.HttpError, ValueError):
+        return None
+    return body if isinstance(body, Mapping) else None

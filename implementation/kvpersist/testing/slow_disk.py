@@ -1,0 +1,96 @@
+"""A slow disk for restore tests: an ext4 file system on a loop device whose reads are throttled
+by the cgroup-v1 ``blkio`` controller for the processes admitted to it.
+
+Only that device is slow: the rest of the machine (Python's libraries included) reads at full
+speed, so a throttled LMCache server starts normally and only its L2 reads crawl.  Needs root,
+``losetup``, ``mkfs.ext4`` and a writable ``/sys/fs/cgroup/blkio``; :func:`unavailable` says
+why not where one is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+BLKIO = Path("/sys/fs/cgroup/blkio")
+
+
+def unavailable() -> str | None:
+    """Why a slow disk cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (loop device, mount, cgroup)"
+    for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if not (BLKIO / "cgroup.procs").exists():
+        return "no cgroup-v1 blkio controller at /sys/fs/cgroup/blkio"
+    return None
+
+
+def drop_caches() -> None:
+    """Write back and drop the page cache, so the next reads come from the device."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+@dataclass
+class SlowDisk:
+    mount: Path
+    device: str  # /dev/loopN
+    major_minor: str
+    cgroup: Path
+
+    def admit(self, pid: int) -> None:
+        """Throttle the reads of ``pid`` (all its threads) on this device."""
+        (self.cgroup / "cgroup.procs").write_text(f"{pid}\n")
+
+    def set_read_rate(self, bytes_per_s: int) -> None:
+        """0 lifts the limit."""
+        (self.cgroup / "blkio.throttle.read_bps_device").write_text(
+            f"{self.major_minor} {bytes_per_s}\n")
+
+    def read_bytes(self) -> int:
+        """Bytes the admitted processes read from the device so far."""
+        total = 0
+        for line in (self.cgroup / "blkio.throttle.io_service_bytes").read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == self.major_minor and parts[1] == "Read":
+                total += int(parts[2])
+        return total
+
+
+@contextlib.contextmanager
+def slow_disk(workdir: Path, *, size_mb: int, read_bytes_per_s: int) -> Iterator[SlowDisk]:
+    """A fresh file system of ``size_mb`` at ``workdir/mnt`` reading at ``read_bytes_per_s`` for
+    admitted processes; everything is undone on exit (admitted processes must be stopped)."""
+    image, mount = workdir / "slow.img", workdir / "mnt"
+    mount.mkdir(parents=True, exist_ok=True)
+    with image.open("wb") as fh:
+        fh.truncate(size_mb << 20)
+    device = subprocess.run(["losetup", "--find", "--show", str(image)], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    cgroup = BLKIO / f"kvpersist-slow-{uuid.uuid4().hex[:8]}"
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-F", device], check=True, capture_output=True)
+        subprocess.run(["mount", device, str(mount)], check=True, capture_output=True)
+        st = os.stat(device)
+        disk = SlowDisk(mount, device, f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}", cgroup)
+        cgroup.mkdir()
+        disk.set_read_rate(read_bytes_per_s)
+        yield disk
+    finally:
+        if cgroup.exists():
+            for pid in (cgroup / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (BLKIO / "cgroup.procs").write_text(f"{pid}\n")
+            with contextlib.suppress(OSError):
+                cgroup.rmdir()
+        subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
+        subprocess.run(["losetup", "-d", device], check=False, capture_output=True)
+        image.unlink(missing_ok=True)

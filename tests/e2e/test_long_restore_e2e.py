@@ -1,0 +1,88 @@
+"""A restore whose L2→L1 load takes several times the lookup deadline is waited for, because it
+progresses; the same restore under a 5 s ceiling is abandoned and recomputed.  Real vLLM and a
+real LMCache server; the cache root is a slow disk (a loop device read at 5 MiB/s through the
+blkio cgroup the server is admitted to) and the page cache is dropped before each restore."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpersist.config.server import ServerSettings, load_settings
+from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
+from kvpersist.demo.tiny_model import WIDE_KV, build_tiny_model
+from kvpersist.serving.pidfile import check_pid_file
+from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing import slow_disk
+from kvpersist.testing.helpers import clear_l1, pins_for_model, server_env, wait_for_l2_files
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(slow_disk.unavailable() is not None,
+                                 reason=f"no slow disk here: {slow_disk.unavailable()}")]
+
+RATE = 5 << 20  # bytes per second the server may read from the cache's device
+DEADLINE_S = 5.0  # the plain lookup deadline (KVP_LOOKUP_TIMEOUT_S's default)
+REQUEST_TIMEOUT = 600.0
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def server_pid(settings: ServerSettings) -> int:
+    record = check_pid_file(settings.pid_file).record
+    assert record is not None
+    return record.pid
+
+
+def test_a_progressing_restore_is_waited_for_a_stalled_one_is_not(tmp_path: Path) -> None:
+    model = build_tiny_model(tmp_path / "models", WIDE_KV)
+    pins = pins_for_model(model, tmp_path / "wide.env")
+    messages = long_conversation(1850)
+    with slow_disk.slow_disk(tmp_path, size_mb=512, read_bytes_per_s=RATE) as disk:
+        env = server_env(disk.mount / "cache", KVP_CACHE_BUDGET_GB="0.4")
+        settings = load_settings(env)
+        vllm = VllmProcess(model, pins, tmp_path / "vllm-1.log", env)
+        try:
+            start_server(settings)
+            vllm.start()
+            cold = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
+            chunks = cold.prompt_tokens // 256
+            assert chunks >= 6, cold.prompt_tokens
+            stored = wait_for_l2_files(settings.cache_root, chunks)
+            restore_bytes = chunks * 256 * WIDE_KV.kv_bytes_per_token
+            # The set-up really is past the deadline: reading the prefix at RATE takes ≥ 3x it.
+            assert restore_bytes / RATE >= 3 * DEADLINE_S, restore_bytes
+            vllm.stop()
+            stop_server(settings)
+
+            # Round 2: both restarted, page cache dropped, the server's reads at RATE.
+            start_server(settings)
+            disk.admit(server_pid(settings))
+            vllm = VllmProcess(model, pins, tmp_path / "vllm-2.log", env)
+            vllm.start()
+            slow_disk.drop_caches()
+            read_before = disk.read_bytes()
+            warm = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
+            assert metric_sum(vllm.metrics(), HITS) == 256 * chunks  # every full chunk from L2
+            assert warm.cached_tokens == 256 * chunks
+            assert (warm.tokens, warm.logprobs, warm.text) == (cold.tokens, cold.logprobs,
+                                                               cold.text)
+            assert disk.read_bytes() - read_before >= restore_bytes  # from the slow device
+            assert "bypasses the KV cache" not in vllm.log_tail(10_000)
+            print(f"\n{restore_bytes / 2**20:.0f} MiB at {RATE / 2**20:.0f} MiB/s: cold "
+                  f"{cold.seconds:.1f}s, restored {warm.seconds:.1f}s")
+            vllm.stop()
+
+            # Round 3: the same restore under a 5 s ceiling is abandoned: recomputed, identical.
+            clear_l1(settings)
+            slow_disk.drop_caches()
+            vllm = VllmProcess(model, pins, tmp_path / "vllm-3.log",
+                               {**env, "KVP_LOOKUP_MAX_S": str(DEADLINE_S)})
+            vllm.start()
+            capped = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
+            assert metric_sum(vllm.metrics(), HITS) == 0
+            assert (capped.tokens, capped.logprobs) == (cold.tokens, cold.logprobs)
+            assert "still loading after" in vllm.log_tail(10_000)
+            assert set(stored) <= set(wait_for_l2_files(settings.cache_root, chunks))
+        finally:
+            vllm.kill()
+            stop_server(settings)

@@ -1,0 +1,101 @@
+"""The LMCache adapter in-process (the server path is in test_adapter_server.py): a load task
+reads its files in parallel and sets a key's bit only for a verified file."""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist.l2.adapter import KvPersistL2Adapter, KvPersistL2AdapterConfig, to_object_key
+from kvpersist.l2.store import KvFileStore
+from kvpersist.testing.corruption import corrupt_file
+from kvpersist.testing.helpers import key_of
+
+CHUNK = 64 * 1024
+
+
+@dataclass
+class Chunk:
+    """What the adapter reads of LMCache's ``MemoryObj``: its ``byte_array``."""
+
+    byte_array: bytearray
+
+
+def payload(i: int) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(CHUNK))
+
+
+def wait_for(efd: int, query: Any, tid: int, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        select.select([efd], [], [], 0.2)
+        result = query(tid)
+        if result is not None:
+            return result
+    raise AssertionError(f"task {tid} did not complete")
+
+
+@pytest.fixture
+def adapter(tmp_path: Path) -> Any:
+    a = KvPersistL2Adapter(KvPersistL2AdapterConfig(str(tmp_path), 1.0, file_threads=8))
+    assert a.store.wait_scan(10)
+    yield a
+    a.close()
+
+
+def test_load_task_reads_in_parallel_and_verifies_each_file(adapter: Any,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    store: KvFileStore = adapter.store
+    keys = [key_of(i) for i in range(12)]
+    for i, k in enumerate(keys):
+        assert store.put(k, payload(i)) == "stored"
+    corrupt_file(store.path_for(keys[3]), "flip")
+    corrupt_file(store.path_for(keys[7]), "half")
+    store.path_for(keys[9]).unlink()
+    in_flight, most = 0, 0
+    lock = threading.Lock()
+    real_read = store.read_into
+
+    def counting_read(key: Any, buf: Any) -> bool:
+        nonlocal in_flight, most
+        with lock:
+            in_flight += 1
+            most = max(most, in_flight)
+        time.sleep(0.05)  # hold the slot so that concurrent reads overlap
+        try:
+            return real_read(key, buf)
+        finally:
+            with lock:
+                in_flight -= 1
+
+    monkeypatch.setattr(store, "read_into", counting_read)
+    chunks = [Chunk(bytearray(CHUNK)) for _ in keys]
+    tid = adapter.submit_load_task([to_object_key(k) for k in keys], chunks)
+    bitmap = wait_for(adapter.get_load_event_fd(), adapter.query_load_result, tid)
+    hits = [i for i in range(len(keys)) if bitmap.test(i)]
+    assert hits == [i for i in range(12) if i not in (3, 7, 9)]
+    for i in hits:
+        assert bytes(chunks[i].byte_array) == payload(i)
+    assert most > 1, "the task's files were read one after another"
+    status = adapter.report_status()
+    assert status["verify_failures_by_reason"] == {"payload-checksum": 1, "size-mismatch": 1}
+    assert status["read_bytes"] >= 9 * CHUNK and status["loaded_bytes"] == 9 * CHUNK
+    monkeypatch.undo()
+    assert store.check(deep=True) == []
+
+
+def test_store_task_writes_every_file(adapter: Any) -> None:
+    keys = [key_of(100 + i) for i in range(10)]
+    tid = adapter.submit_store_task([to_object_key(k) for k in keys],
+                                    [Chunk(bytearray(payload(i))) for i in range(10)])
+    results = wait_for(adapter.get_store_event_fd(), lambda t: adapter.pop_completed_store_tasks()
+                       .get(t), tid)
+    assert results == 10 * CHUNK and len(adapter.store) == 10  # success: the bytes written
+    assert adapter.store.check(deep=True) == []

@@ -1,0 +1,137 @@
+"""The lookup deadline: a stalled server is bypassed, a progressing load is waited for."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from kvpersist.serving.lookup_deadline import LookupDeadline, ServerProgressProbe, progress_token
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stalled_server_is_bypassed_after_the_deadline() -> None:
+    clock = FakeClock()
+    d = LookupDeadline(stall_s=5, max_s=600, clock=clock)
+    d.begin("r")
+    clock.now += 4.9
+    assert d.verdict("r", healthy=True) is None
+    clock.now += 0.2
+    assert "no progress for 5.1s" in str(d.verdict("r", healthy=True))
+
+
+def test_a_progressing_load_is_not_bypassed() -> None:
+    clock = FakeClock()
+    d = LookupDeadline(stall_s=5, max_s=600, clock=clock)
+    d.begin("r")
+    for _ in range(60):  # 60 s of a restore that reports progress every second
+        clock.now += 1
+        d.progressed()
+        assert d.verdict("r", healthy=True) is None
+    clock.now += 5.5  # then the server stops moving
+    assert "stalled" in str(d.verdict("r", healthy=True))
+
+
+def test_the_ceiling_holds_whatever_the_progress() -> None:
+    clock = FakeClock()
+    d = LookupDeadline(stall_s=5, max_s=30, clock=clock)
+    d.begin("r")
+    while clock.now < 1029:
+        clock.now += 1
+        d.progressed()
+        assert d.verdict("r", healthy=True) is None
+    clock.now += 2
+    d.progressed()
+    assert "limit 30s" in str(d.verdict("r", healthy=True))
+
+
+def test_an_unhealthy_server_is_bypassed_at_once() -> None:
+    d = LookupDeadline(stall_s=5, max_s=600, clock=FakeClock())
+    d.begin("r")
+    assert "unhealthy" in str(d.verdict("r", healthy=False))
+
+
+def test_progress_before_a_lookup_began_does_not_count_for_it() -> None:
+    clock = FakeClock()
+    d = LookupDeadline(stall_s=5, max_s=600, clock=clock)
+    d.progressed()
+    clock.now += 100
+    d.begin("late")
+    clock.now += 4
+    assert d.verdict("late", healthy=True) is None
+    clock.now += 2
+    assert d.verdict("late", healthy=True) is not None
+    d.end("late")
+    assert d.pending == 0 and d.verdict("late", healthy=True) is None
+
+
+def test_progress_token_reads_the_load_counters() -> None:
+    status = {"storage_manager": {
+        "l2_adapters": [{"read_bytes": 10, "loaded_bytes": 8}, {"type": "nixl"}],
+        "l1_managers": {"_default": {"memory_used_bytes": 100, "staging_bytes": 5}},
+        "prefetch_controller": {"completed_results_count": 2, "load_phase_count": 1}}}
+    assert progress_token(status) == (10.0, 8.0, 105.0, 2.0, 1.0)
+    assert progress_token({}) == (0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+@pytest.fixture
+def status_server() -> Iterator[tuple[str, dict[str, Any]]]:
+    """A real HTTP server whose /status shows counters the test moves."""
+    state: dict[str, Any] = {"read_bytes": 0, "answer": True}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if not state["answer"]:
+                time.sleep(2)  # hangs past the probe's timeout
+            body = json.dumps({"storage_manager": {"l2_adapters": [
+                {"read_bytes": state["read_bytes"]}]}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/status", state
+    finally:
+        server.shutdown()
+
+
+def test_the_probe_sees_progress_and_its_absence(status_server: tuple[str, dict[str, Any]]
+                                                 ) -> None:
+    url, state = status_server
+    deadline = LookupDeadline(stall_s=0.8, max_s=60)
+    probe = ServerProgressProbe(url, deadline, interval_s=0.1)
+    try:
+        deadline.begin("r")
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:  # the server reads 1 MB every 0.1 s
+            state["read_bytes"] += 1 << 20
+            time.sleep(0.1)
+            assert deadline.verdict("r", healthy=True) is None
+        time.sleep(1.2)  # counters frozen
+        assert "stalled" in str(deadline.verdict("r", healthy=True))
+        deadline.end("r")
+        deadline.begin("s")
+        state["answer"] = False  # a hung server makes no progress either
+        state["read_bytes"] += 1
+        time.sleep(1.2)
+        assert "stalled" in str(deadline.verdict("s", healthy=True))
+    finally:
+        probe.close()
