@@ -1,9 +1,10 @@
 """A dead cache service never stalls serving (failure-model row "cache service down"), and
 vLLM and the server each survive the other's SIGKILL, with real processes.
 
-Bound: a request sent while the LMCache server is dead completes within
-``DOWN_BOUND_S`` = lookup timeout (5 s) + heartbeat detection (2 × 2 s) + LMCache's blocking
-timeout for a store to a dead server (15 s) + normal latency, rounded up to 45 s.
+Bound: a request sent while the LMCache server is dead completes within the lookup deadline
+(5 s) + 2 s + the time the same request takes cold in the same run (it is recomputed).  Before
+the connector dropped stores to a server its heartbeat knows is down, such a request waited
+33.5 s: LMCache's worker blocked twice for ``mq_timeout`` (15 s) on the dead server.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.helpers import TINY_PINS
 
 pytestmark = pytest.mark.e2e
-DOWN_BOUND_S = 45.0
+LOOKUP_DEADLINE_S = 5.0
+RESUME_BOUND_S = 45.0  # the first request after the server returns (re-registration included)
 
 
 def kill_server(s: ServerSettings) -> None:
@@ -64,7 +66,7 @@ def test_cache_service_down_and_process_crashes(tiny_model: Path, tmp_path: Path
             began = time.monotonic()
             down[topic] = chat(vllm.base_url, long_conversation(900, topic), timeout=120)
             latencies.append(time.monotonic() - began)
-        assert max(latencies) < DOWN_BOUND_S, latencies
+        assert max(latencies) < LOOKUP_DEADLINE_S + 2.0 + base.seconds, (latencies, base.seconds)
         assert vllm.healthy()
         print(f"\nlatencies while the server was down: {[round(x, 2) for x in latencies]}")
 
@@ -74,7 +76,7 @@ def test_cache_service_down_and_process_crashes(tiny_model: Path, tmp_path: Path
         before = files(root)
         began = time.monotonic()
         chat(vllm.base_url, long_conversation(900, "topic D"), timeout=120)
-        assert time.monotonic() - began < DOWN_BOUND_S
+        assert time.monotonic() - began < RESUME_BOUND_S
         assert wait_new_files(root, before), "stores did not resume"
 
         # 3. SIGKILL vLLM alone: a new vLLM gets the prefix from L2 (hits > 0), same answer.

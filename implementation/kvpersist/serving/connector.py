@@ -150,6 +150,7 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
             self._kvp_probe = ServerProgressProbe(options.http_url.rstrip("/") + "/status",
                                                   self._kvp_deadline)
         self.kvp_bypassed_requests = 0
+        self.kvp_dropped_stores = 0
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -180,6 +181,21 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         self.kvp_bypassed_requests += 1
         logger.warning("kvpersist: request %s bypasses the KV cache (%s); it is recomputed",
                        rid, why)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """LMCache's metadata, less its stores while the heartbeat says the server is down: a
+        worker would otherwise block up to ``lmcache.mp.mq_timeout`` twice (prepare and commit)
+        per store sent to a dead server before its own heartbeat notices.  Dropping them is what
+        LMCache's worker does itself once it knows (``submit_store_request`` while unhealthy);
+        with lazy offload the scheduler expects one receipt per store, so nothing is dropped."""
+        metadata: KVConnectorMetadata = super().build_connector_meta(scheduler_output)
+        if not self.scheduler_adapter.is_healthy and not self.lazy_offload:
+            requests = getattr(metadata, "requests", [])
+            kept = [r for r in requests if getattr(r, "direction", None) != "STORE"]
+            if len(kept) != len(requests):
+                self.kvp_dropped_stores += len(requests) - len(kept)
+                metadata.requests = kept  # type: ignore[attr-defined]
+        return metadata
 
     def shutdown(self) -> None:
         if self._kvp_probe is not None:
