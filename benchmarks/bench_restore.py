@@ -13,12 +13,13 @@ cold raw read and the ``dd`` write measured in the same round.  Needs root (drop
 
     .venv/bin/python benchmarks/bench_restore.py [--root DIR] [--tokens 8192]
         [--kv-per-token 32768] [--rounds 3] [--adapters kvpersist,nixl_store_dynamic,fs]
-        [--json OUT]
+        [--slow-disk-mb-s 200] [--transfer-mode engine_driven|lmcache_driven] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -30,9 +31,10 @@ from typing import Any
 
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import free_port
+from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.lmcache_bench import BenchDriver
-from kvpersist.testing.slow_disk import drop_caches
+from kvpersist.testing.slow_disk import SlowDisk, drop_caches, slow_disk
 
 SUFFIX = {"kvpersist": ".kvp", "nixl_store_dynamic": ".bin", "fs": ""}
 MODEL = "bench/restore/kvp-" + "9" * 32
@@ -55,14 +57,23 @@ def data_files(root: Path, adapter: str) -> list[Path]:
                   and "quarantine" not in p.parts and p.name.endswith(SUFFIX[adapter]))
 
 
-def timed(cmd: list[str]) -> float:
+def timed(cmd: list[str], disk: SlowDisk | None = None) -> float:
+    """Seconds ``cmd`` takes; run inside the slow disk's cgroup when there is one."""
+    if disk is not None:
+        cmd = ["bash", "-c", f'echo $$ > {disk.cgroup}/cgroup.procs && exec "$@"', "timed", *cmd]
     began = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - began
 
 
+def admit_server(settings: ServerSettings, disk: SlowDisk | None) -> None:
+    record = check_pid_file(settings.pid_file).record
+    if disk is not None and record is not None:
+        disk.admit(record.pid)
+
+
 def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: float,
-              transfer_mode: str) -> dict[str, Any]:
+              transfer_mode: str, disk: SlowDisk | None) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
     settings: ServerSettings = load_settings({
         "KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(free_port()),
@@ -91,9 +102,10 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
                              f"count={max(1, nbytes >> 24)}"])
         (root / "raw.bin").unlink()
         start_server(settings)
+        admit_server(settings, disk)
         files = data_files(root, adapter)
         drop_caches()
-        raw_read_s = timed(["cat", *map(str, files)])
+        raw_read_s = timed(["cat", *map(str, files)], disk)
         drop_caches()
         d = BenchDriver(f"{settings.zmq_url}:{settings.zmq_port}", settings.http_url, MODEL,
                         num_tokens=tokens, shape_spec=spec, num_blocks=blocks,
@@ -130,17 +142,28 @@ def main() -> int:
     parser.add_argument("--transfer-mode", default="engine_driven",
                         choices=("engine_driven", "lmcache_driven"),
                         help="how L1 reaches the client (engine_driven: pickled over ZMQ)")
+    parser.add_argument("--slow-disk-mb-s", type=float,
+                        help="run on a loop-device ext4 whose reads are throttled to this rate "
+                        "for the server and cat (a disk-bound comparison on a machine whose disk "
+                        "is backed by the host's RAM)")
     parser.add_argument("--json", help="write the per-round results here")
     args = parser.parse_args()
     base = Path(args.root or tempfile.mkdtemp(prefix="kvp-restore-"))
     adapters = args.adapters.split(",")
     rows: list[dict[str, Any]] = []
-    for n in range(args.rounds):
-        for adapter in adapters if n % 2 == 0 else adapters[::-1]:
-            row = one_round(adapter, base / adapter, args.tokens, args.kv_per_token, args.l1_gb,
-                            args.transfer_mode)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    with contextlib.ExitStack() as stack:
+        disk = None
+        if args.slow_disk_mb_s:
+            size_mb = (len(adapters) + 2) * args.tokens * args.kv_per_token // 2**20 + 256
+            disk = stack.enter_context(slow_disk(base, size_mb=size_mb,
+                                                 read_bytes_per_s=int(args.slow_disk_mb_s * 2**20)))
+            base = disk.mount
+        for n in range(args.rounds):
+            for adapter in adapters if n % 2 == 0 else adapters[::-1]:
+                row = one_round(adapter, base / adapter, args.tokens, args.kv_per_token,
+                                args.l1_gb, args.transfer_mode, disk)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     gb = args.tokens // 256 * 256 * args.kv_per_token / 1e9
     print(f"\n{args.tokens} tokens x {args.kv_per_token} B = {gb:.2f} GB, {args.transfer_mode}, "
           f"median of {args.rounds} rounds; ratios against the same round's cold raw read / dd "
@@ -151,7 +174,7 @@ def main() -> int:
         mine = [r for r in rows if r["adapter"] == adapter]
 
         def med(key: str, rows_: list[dict[str, Any]] = mine) -> float:
-            return statistics.median(r[key] for r in rows_)
+            return float(statistics.median(r[key] for r in rows_))
 
         read_ratio = statistics.median(r["raw_read_s"] / r["l2_to_l1_s"] for r in mine)
         write_ratio = statistics.median(r["raw_write_s"] / r["store_s"] for r in mine)

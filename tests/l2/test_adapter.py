@@ -99,3 +99,24 @@ def test_store_task_writes_every_file(adapter: Any) -> None:
                        .get(t), tid)
     assert results == 10 * CHUNK and len(adapter.store) == 10  # success: the bytes written
     assert adapter.store.check(deep=True) == []
+
+
+@pytest.mark.parametrize("module_path", ["kvpersist.l2.adapter", "kvpersist.l2_adapter"])
+def test_lmcache_loads_the_adapter_by_either_module_path(tmp_path: Path, module_path: str) -> None:
+    """Deployments' configs name ``kvpersist.l2_adapter`` (earlier releases); LMCache's plugin
+    loader finds the same adapter under both paths."""
+    from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import (
+        PluginL2AdapterConfig,
+        _create_plugin_adapter,
+    )
+
+    config = PluginL2AdapterConfig.from_dict({
+        "module_path": module_path, "class_name": "KvPersistL2Adapter",
+        "config_class_name": "KvPersistL2AdapterConfig",
+        "adapter_params": {"path": str(tmp_path), "max_capacity_gb": 1}})
+    adapter = _create_plugin_adapter(config)
+    try:
+        assert type(adapter) is KvPersistL2Adapter
+        assert adapter.report_status()["root"] == str(tmp_path)
+    finally:
+        adapter.close()

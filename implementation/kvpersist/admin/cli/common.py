@@ -7,9 +7,9 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 from ...config.admin import AdminSettings, load_admin_settings
 from ...config.server import ServerSettings, SettingsError, load_settings
@@ -19,6 +19,7 @@ from ..progress import stderr_progress
 from ..report import active_namespaces_from_server
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_OFF = 0, 1, 2, 3
+_S = TypeVar("_S")
 # What ``register(sub)`` of each command module receives.
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -57,16 +58,17 @@ def when(ts: float) -> str:
 
 
 def settings_or_exit() -> ServerSettings:
-    try:
-        return load_settings()
-    except SettingsError as exc:
-        print(f"kvp-admin: {exc}", file=sys.stderr)
-        raise SystemExit(EXIT_ERROR) from None
+    return _loaded_or_exit(load_settings)
 
 
 def admin_settings_or_exit() -> AdminSettings:
+    return _loaded_or_exit(load_admin_settings)
+
+
+def _loaded_or_exit(load: Callable[[], _S]) -> _S:
+    """``load()``, or exit 1 with its SettingsError (which names the setting) on stderr."""
     try:
-        return load_admin_settings()
+        return load()
     except SettingsError as exc:
         print(f"kvp-admin: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_ERROR) from None
