@@ -19,9 +19,10 @@ def line_plot(path: Path, title: str, x_label: str, y_label: str,
     """Write ``series`` (name → (x, y) points) as a PNG line plot to ``path``."""
     from PIL import Image, ImageDraw, ImageFont
 
-    width, height = size
-    left, right, top, bottom = 90, 220, 50, 70
-    image = Image.new("RGB", size, "white")
+    left, top, bottom = 90, 50, 70
+    right = 70 + 8 * max((len(name) for name in series), default=10)  # room for the legend
+    width, height = size[0] + right - 220, size[1]
+    image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default(size=14)
     points = [p for pts in series.values() for p in pts if p[1] > 0 or not log_y]
