@@ -29,11 +29,16 @@ def main() -> int:
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="wide")
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--work", help="work directory (default: a temp dir)")
+    parser.add_argument("--l1-gb", type=int, help="server L1 and vLLM KV cache space (GiB); "
+                        "default: the prompt's KV + 1")
     args = parser.parse_args()
     geometry: Geometry = GEOMETRIES[args.geometry]
     work = Path(args.work or tempfile.mkdtemp(prefix="kvp-long-chat-"))
     kv_gib = args.tokens * geometry.kv_bytes_per_token / 2**30
-    l1_gb = max(2, int(kv_gib * 1.5) + 1)
+    # Each side holds the prompt's KV once; on CPU, LMCache's engine_driven transport needs
+    # about 4.5x the restored bytes in the vLLM worker on top (pickled copies): a 2 GiB restore
+    # took 9.6 GB there, so on a 24 GiB machine these two stay small.
+    l1_gb = args.l1_gb or int(kv_gib) + 1
     model = build_tiny_model(work / "models", geometry)
     max_len = args.tokens + 2048
     pins = pins_for_model(model, work / "pins.env", max_model_len=max_len)

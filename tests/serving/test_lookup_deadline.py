@@ -63,6 +63,20 @@ def test_an_unhealthy_server_is_bypassed_at_once() -> None:
     assert "unhealthy" in str(d.verdict("r", healthy=False))
 
 
+def test_a_heartbeat_flap_during_a_progressing_load_is_not_a_bypass() -> None:
+    """A server busy loading gigabytes missed its 2 s heartbeat while its counters kept moving
+    (seen with a 2 GiB restore on 2 cores): alive, so the restore goes on."""
+    clock = FakeClock()
+    d = LookupDeadline(stall_s=5, max_s=600, clock=clock, alive_s=2)
+    d.begin("r")
+    clock.now += 10
+    d.progressed()
+    clock.now += 1
+    assert d.verdict("r", healthy=False) is None
+    clock.now += 1.5  # no progress for 2.5 s and still unhealthy: dead
+    assert "unhealthy" in str(d.verdict("r", healthy=False))
+
+
 def test_progress_before_a_lookup_began_does_not_count_for_it() -> None:
     clock = FakeClock()
     d = LookupDeadline(stall_s=5, max_s=600, clock=clock)

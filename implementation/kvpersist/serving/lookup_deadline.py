@@ -8,7 +8,9 @@ restores away exactly when they matter; no deadline lets a hung server hold requ
 Invariants
 ----------
 * A lookup is abandoned (the request is recomputed) as soon as one of these holds:
-  - the connector's heartbeat says the server is unhealthy;
+  - the connector's heartbeat says the server is unhealthy and no progress was seen in the last
+    ``alive_s`` seconds (a server busy loading gigabytes can miss a 2 s heartbeat; its moving
+    counters show it is alive, so a heartbeat flap does not throw the restore away);
   - ``stall_s`` seconds passed since the later of its start and the server's last progress;
   - ``max_s`` seconds passed since its start (a ceiling, whatever the progress).
 * Progress is any change of the server's load counters (:func:`progress_token`: bytes the L2
@@ -50,9 +52,11 @@ def progress_token(status: Mapping[str, Any]) -> tuple[float, ...]:
 class LookupDeadline:
     """Per-request bookkeeping of pending lookups (see module invariants)."""
 
-    def __init__(self, stall_s: float, max_s: float, clock: Clock = time.monotonic) -> None:
+    def __init__(self, stall_s: float, max_s: float, clock: Clock = time.monotonic,
+                 alive_s: float = 2.0) -> None:
         self.stall_s = stall_s
         self.max_s = max_s
+        self.alive_s = alive_s
         self._clock = clock
         self._began: dict[str, float] = {}
         self._progress_at = float("-inf")
@@ -84,7 +88,7 @@ class LookupDeadline:
             if began is None:
                 return None
             now = self._clock()
-            if not healthy:
+            if not healthy and now - self._progress_at > self.alive_s:
                 return f"server unhealthy after {now - began:.1f}s"
             if now - began > self.max_s:
                 return f"still loading after {now - began:.1f}s (limit {self.max_s:.0f}s)"
