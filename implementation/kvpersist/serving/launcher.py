@@ -18,6 +18,7 @@ Invariants
   a 1 GiB ``/dev/shm`` segment per vLLM run there.  ``KVP_MP_TRANSFER_MODE`` overrides.
 * With persistence on, vLLM also gets ``--enable-prompt-tokens-details``, so a client sees the
   restored prefix as ``usage.prompt_tokens_details.cached_tokens``.
+* A failed KV load is recomputed (``kv_load_failure_policy: recompute``), never an error.
 * ``KV_PERSIST=0`` runs the recipe's arguments untouched; the vLLM process always gets the
   telemetry-off environment.
 """
@@ -84,6 +85,10 @@ def kv_transfer_config(
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
+        # A KV load that fails (a server that died or flapped mid-retrieve) costs a recompute,
+        # never a failed request: vLLM's default policy, "fail", errors the request (and, seen
+        # with vLLM 0.32 on a 2 GiB restore, took the engine down).
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra_config,
     }
 

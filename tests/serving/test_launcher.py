@@ -1,0 +1,45 @@
+"""kvp-vllm: the recipe's arguments pass through; persistence adds exactly the connector config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpersist.config.client import load_launcher_settings
+from kvpersist.config.server import load_settings
+from kvpersist.config.values import SettingsError
+from kvpersist.serving.launcher import PROMPT_DETAILS_FLAG, vllm_command
+from kvpersist.testing.helpers import TINY_PINS
+
+RECIPE = ["--host", "127.0.0.1", "-tp", "1", "--chat-template", "tmpl.jinja"]
+
+
+def test_persistence_adds_the_connector_and_nothing_else(tmp_path: Path) -> None:
+    settings = load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path), "KVP_ZMQ_PORT": "6001"})
+    launcher = load_launcher_settings({"KVP_IDENTITY_PINS": str(TINY_PINS), "KVP_PYTHON": "/py"})
+    cmd = vllm_command("/models/m", RECIPE, launcher=launcher, settings=settings)
+    assert cmd[:5] == ["/py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/m"]
+    assert cmd[5:5 + len(RECIPE)] == RECIPE
+    config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_module_path"] == "kvpersist.connector"
+    assert config["kv_load_failure_policy"] == "recompute"  # a failed load is a recompute
+    extra = config["kv_connector_extra_config"]
+    assert extra["lmcache.mp.port"] == 6001 and extra["kvpersist.pins"] == str(TINY_PINS)
+    assert extra["kvpersist.chat_template_file"] == str(Path("tmpl.jinja").absolute())
+    assert (extra["kvpersist.lookup_timeout_s"], extra["kvpersist.lookup_max_s"]) == (5.0, 600.0)
+    assert cmd.count(PROMPT_DETAILS_FLAG) == 1
+
+
+def test_kv_persist_0_runs_the_recipe_untouched() -> None:
+    launcher = load_launcher_settings({"KV_PERSIST": "0", "KVP_VLLM_EXEC": "docker exec c1"})
+    cmd = vllm_command("m", RECIPE, launcher=launcher, settings=None)
+    assert cmd[:3] == ["docker", "exec", "c1"]
+    assert cmd[-len(RECIPE):] == RECIPE and "--kv-transfer-config" not in cmd
+
+
+def test_persistence_without_pins_is_a_clear_error(tmp_path: Path) -> None:
+    settings = load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path)})
+    with pytest.raises(SettingsError, match="KVP_IDENTITY_PINS"):
+        vllm_command("m", [], launcher=load_launcher_settings({}), settings=settings)
