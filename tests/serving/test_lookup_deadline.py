@@ -131,7 +131,7 @@ def test_the_probe_sees_progress_and_its_absence(status_server: tuple[str, dict[
                                                  ) -> None:
     url, state = status_server
     deadline = LookupDeadline(stall_s=0.8, max_s=60)
-    probe = ServerProgressProbe(url, deadline, interval_s=0.1)
+    probe = ServerProgressProbe(url, deadline, interval_s=0.1, timeout_s=0.5)
     try:
         deadline.begin("r")
         until = time.monotonic() + 2.0

@@ -103,10 +103,14 @@ class ServerProgressProbe:
     :class:`LookupDeadline`.  A daemon thread; every request it makes has a timeout."""
 
     def __init__(self, status_url: str, deadline: LookupDeadline, *, interval_s: float = 0.5,
+                 timeout_s: float = 2.0,
                  fetch: Callable[[str, float], Mapping[str, Any] | None] | None = None) -> None:
         self.status_url = status_url
         self.deadline = deadline
         self.interval_s = interval_s
+        # A server busy restoring answers /status slowly (seen under CI load: a 0.5 s limit
+        # missed every answer and a progressing restore was taken for a stall).
+        self.timeout_s = timeout_s
         self._fetch = fetch or _fetch_status
         self._last: tuple[float, ...] | None = None
         self._stop = threading.Event()
@@ -118,7 +122,7 @@ class ServerProgressProbe:
             if self.deadline.pending == 0:
                 self._last = None  # the next wait starts from a fresh reading
                 continue
-            status = self._fetch(self.status_url, max(self.interval_s, 0.2))
+            status = self._fetch(self.status_url, self.timeout_s)
             if status is None:
                 continue
             token = progress_token(status)
