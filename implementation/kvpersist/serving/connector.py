@@ -161,6 +161,8 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         self._kvp_deadline.begin(rid)
         why = self._kvp_deadline.verdict(rid, healthy=self.scheduler_adapter.is_healthy)
         if why is not None:
+            if self._kvp_probe is not None:
+                why += f"; {self._kvp_probe.describe()}"
             self._kvp_bypass(request, why)
             return 0, False
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(

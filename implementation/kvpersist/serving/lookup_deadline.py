@@ -113,6 +113,8 @@ class ServerProgressProbe:
         self.timeout_s = timeout_s
         self._fetch = fetch or _fetch_status
         self._last: tuple[float, ...] | None = None
+        self.polls = 0
+        self.answers = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpersist-progress", daemon=True)
         self._thread.start()
@@ -122,13 +124,19 @@ class ServerProgressProbe:
             if self.deadline.pending == 0:
                 self._last = None  # the next wait starts from a fresh reading
                 continue
+            self.polls += 1
             status = self._fetch(self.status_url, self.timeout_s)
             if status is None:
                 continue
+            self.answers += 1
             token = progress_token(status)
             if self._last is not None and token != self._last:
                 self.deadline.progressed()
             self._last = token
+
+    def describe(self) -> str:
+        """For the bypass log line: what the probe saw."""
+        return f"progress probe: {self.answers}/{self.polls} polls answered, last {self._last}"
 
     def close(self) -> None:
         self._stop.set()
