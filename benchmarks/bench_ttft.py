@@ -65,12 +65,7 @@ def run_adapter(adapter: str, model: Path, pins: Path, work: Path, messages: lis
         out["cold"], tokens = ttft(vllm, messages)
         if adapter == "kvpersist":
             out["vllm prefix cache"], _ = ttft(vllm, messages)
-        suffix = "*.kvp" if adapter == "kvpersist" else "*.bin"
-        deadline = time.monotonic() + 600
-        while len(list(root.glob(suffix))) < tokens // 256 and time.monotonic() < deadline:
-            time.sleep(1)
-        if adapter == "kvpersist":
-            wait_for_l2_files(root, tokens // 256)
+        wait_for_l2_files(root, tokens // 256, timeout=600)  # .kvp and .bin alike
         vllm.stop()
         stop_server(settings)
         start_server(settings)

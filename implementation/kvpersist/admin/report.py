@@ -19,12 +19,8 @@ _NS_IN_TEXT = re.compile(r"kvp-[0-9a-f]{32}")
 
 def active_namespaces_from_server(http_url: str, timeout: float = 5.0) -> set[str] | None:
     """Namespaces of the engines registered with the running server, or None if it is down."""
-    try:
-        resp = http.get(http_url + "/status", timeout=timeout)
-        body = resp.json() if resp.ok else None
-    except (http.HttpError, ValueError):
-        return None
-    if not isinstance(body, dict):
+    body = http.get_object(http_url + "/status", timeout=timeout)
+    if body is None:
         return None
     meta = {k: body.get(k) for k in ("cache_context_meta", "non_cuda_context_meta",
                                      "registered_non_cuda_instance_ids")}

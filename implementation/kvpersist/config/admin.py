@@ -28,8 +28,7 @@ def load_admin_settings(environ: Mapping[str, str] | None = None) -> AdminSettin
     env = os.environ if environ is None else environ
 
     def get(name: str) -> str | None:
-        value = env.get(name)
-        return value if value not in (None, "") else None
+        return values.present(env, name)
 
     quotas, device = get("KVP_QUOTAS_FILE"), get("KVP_CACHE_DEVICE")
     return AdminSettings(

@@ -57,8 +57,7 @@ def _raw(extra: Mapping[str, Any], environ: Mapping[str, str], key: str) -> tupl
     if value not in (None, ""):
         return key, value
     env = _OPTION_ENV[key]
-    value = environ.get(env)
-    return env, (value if value not in (None, "") else None)
+    return env, values.present(environ, env)
 
 
 @dataclass(frozen=True)
@@ -123,8 +122,7 @@ def load_launcher_settings(environ: Mapping[str, str] | None = None) -> Launcher
     env = os.environ if environ is None else environ
 
     def get(name: str) -> str | None:
-        value = env.get(name)
-        return value if value not in (None, "") else None
+        return values.present(env, name)
 
     def seconds(name: str, default: float) -> float:
         raw = get(name)

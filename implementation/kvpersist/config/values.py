@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+from collections.abc import Mapping
 
 
 class SettingsError(ValueError):
@@ -18,6 +19,12 @@ class SettingsError(ValueError):
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def present(environ: Mapping[str, str], name: str) -> str | None:
+    """``environ[name]`` when set and not empty (an empty variable means "use the default")."""
+    value = environ.get(name)
+    return value if value not in (None, "") else None
 
 
 def boolean(name: str, raw: object) -> bool:

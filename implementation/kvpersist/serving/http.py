@@ -52,6 +52,17 @@ def get(url: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> Response:
     return request("GET", url, timeout=timeout)
 
 
+def get_object(url: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any] | None:
+    """The JSON object ``url`` answers with 200, or None (no answer, an error status, not JSON,
+    not an object): for callers where "no usable answer" is one case."""
+    try:
+        resp = get(url, timeout=timeout)
+        body = resp.json() if resp.ok else None
+    except (HttpError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def answers(url: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
     """True if ``url`` answers 200 within ``timeout``."""
     try:

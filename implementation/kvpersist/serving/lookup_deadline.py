@@ -144,9 +144,4 @@ class ServerProgressProbe:
 
 
 def _fetch_status(url: str, timeout: float) -> Mapping[str, Any] | None:
-    try:
-        resp = http.get(url, timeout=timeout)
-        body = resp.json() if resp.ok else None
-    except (http.HttpError, ValueError):
-        return None
-    return body if isinstance(body, Mapping) else None
+    return http.get_object(url, timeout=timeout)
