@@ -93,7 +93,7 @@ def run_interleaved(base: Path, chunks: int) -> dict[str, dict[str, Any]]:
     try:
         for size, spec in SHAPES.items():
             n = max(8, chunks * 256 * 1024 // size) if size > 256 * 1024 else chunks
-            drivers = {a: BenchDriver(f"{s.zmq_url}:{s.zmq_port}", s.http_url,
+            drivers = {a: BenchDriver(s.request_url, s.http_url,
                                       f"bench/{a}/kvp-{size:032x}", num_tokens=256,
                                       shape_spec=spec.format(nb=16 * n + 16))
                        for a, s in settings.items()}

@@ -83,7 +83,7 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
     nbytes = tokens // 256 * 256 * kv_per_token
     start_server(settings)
     try:
-        d = BenchDriver(f"{settings.zmq_url}:{settings.zmq_port}", settings.http_url, MODEL,
+        d = BenchDriver(settings.request_url, settings.http_url, MODEL,
                         num_tokens=tokens, shape_spec=spec, num_blocks=blocks,
                         transfer_mode=transfer_mode)
         began = time.perf_counter()
@@ -109,7 +109,7 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
         drop_caches()
         raw_read_s = timed(["cat", *map(str, files)], disk)
         drop_caches()
-        d = BenchDriver(f"{settings.zmq_url}:{settings.zmq_port}", settings.http_url, MODEL,
+        d = BenchDriver(settings.request_url, settings.http_url, MODEL,
                         num_tokens=tokens, shape_spec=spec, num_blocks=blocks,
                         transfer_mode=transfer_mode)
         request = d._request(0, "load")

@@ -8,7 +8,8 @@
 #   KV_PERSIST=1          (default) add the kvpersist --kv-transfer-config; KV_PERSIST=0 runs the
 #                         recipe untouched
 #   KVP_IDENTITY_PINS     configs/<model>/identity.env (required with KV_PERSIST=1)
-#   KVP_BIND_HOST, KVP_ZMQ_PORT   where the LMCache server listens (configs/generic/lmcache-server.env)
+#   KVP_CACHE_ROOT, KVP_RUNTIME_DIR   where the LMCache server's sockets are (KVP_ACCESS=tcp:
+#                         KVP_BIND_HOST, KVP_ZMQ_PORT); see configs/generic/lmcache-server.env
 #   KVP_PYTHON            the Python with vLLM, LMCache and kvpersist (default: the repo's .venv)
 #   KVP_VLLM_EXEC         optional command prefix, e.g. "docker exec mimo-pro-tp4-kvp" (unset: local)
 set -euo pipefail

@@ -43,7 +43,7 @@ def test_status_report_cleanup_with_live_server(env: ServerSettings,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     root = env.cache_root
     start_server(env)
-    zmq = f"{env.zmq_url}:{env.zmq_port}"
+    zmq = env.request_url
     stale = BenchDriver(zmq, env.http_url, f"org/old/{NS_B}")
     stale.store(5)
     wait_for_l2_files(root, 4)

@@ -42,7 +42,7 @@ CHUNK_FILE = HEADER_SIZE + 256 * 1024  # one 256-token chunk of the bench shape
 
 
 def driver(s: ServerSettings, model: str = MODEL_A) -> BenchDriver:
-    return BenchDriver(f"{s.zmq_url}:{s.zmq_port}", s.http_url, model)
+    return BenchDriver(s.request_url, s.http_url, model)
 
 
 def store_and_wait(d: BenchDriver, root: Path, seq: int) -> list[str]:

@@ -3,13 +3,9 @@ crash during writes, disk full, interrupted eviction; and the server's security 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,7 +18,7 @@ from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.crash_cycles import run_cycles
 from kvpersist.testing.helpers import adapter_status as adapter
-from kvpersist.testing.helpers import clear_l1, kvpersist_settings
+from kvpersist.testing.helpers import clear_l1, kvpersist_settings, tcp_listeners
 from kvpersist.testing.lmcache_bench import BenchDriver
 
 pytestmark = pytest.mark.integration
@@ -46,7 +42,7 @@ def test_disk_full_rejects_stores_and_resumes(small_fs: Path) -> None:
     s = kvpersist_settings(small_fs / "cache")
     try:
         start_server(s)
-        d = BenchDriver(f"{s.zmq_url}:{s.zmq_port}", s.http_url, MODEL)
+        d = BenchDriver(s.request_url, s.http_url, MODEL)
         for seq in range(4):  # 16 chunks of 260 KiB ≫ 3 MiB
             d.store(seq)
         time.sleep(3.0)
@@ -63,10 +59,9 @@ def test_disk_full_rejects_stores_and_resumes(small_fs: Path) -> None:
         # free space: remove the log (it lives on the same small fs) and the stored objects
         clear_l1(s)
         listed = http.get(s.http_url + "/cache/objects", timeout=10).json()["entries"]
-        body = json.dumps({"keys": [e["key"] for e in listed], "tier": "all"}).encode()
-        req = urllib.request.Request(s.http_url + "/cache/objects", method="DELETE", data=body,
-                                     headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(req, timeout=10).close()
+        resp = http.request("DELETE", s.http_url + "/cache/objects", timeout=10,
+                            payload={"keys": [e["key"] for e in listed], "tier": "all"})
+        assert resp.ok, resp
         stored_before = adapter(s)["stores"]
         d.store(9)
         time.sleep(2.0)
@@ -82,7 +77,7 @@ def test_kill_during_eviction_restarts_clean(tmp_path: Path) -> None:
     s = kvpersist_settings(tmp_path / "cache", budget_gb)
     try:
         start_server(s)
-        d = BenchDriver(f"{s.zmq_url}:{s.zmq_port}", s.http_url, MODEL)
+        d = BenchDriver(s.request_url, s.http_url, MODEL)
         sums = {seq: d.checksums(seq) for seq in range(6)}
         for seq in range(6):  # 24 chunks into a 12-chunk budget: eviction runs repeatedly
             d.store(seq)
@@ -103,7 +98,7 @@ def test_kill_during_eviction_restarts_clean(tmp_path: Path) -> None:
         disk = sum(p.stat().st_size for p in s.cache_root.glob("*.kvp"))
         assert status["used_bytes"] == disk <= int(float(budget_gb) * 1024**3)
         assert not [p for p in s.cache_root.iterdir() if ".tmp." in p.name]
-        d2 = BenchDriver(f"{s.zmq_url}:{s.zmq_port}", s.http_url, MODEL)
+        d2 = BenchDriver(s.request_url, s.http_url, MODEL)
         for seq, expected in sums.items():  # evicted files are ordinary misses, never wrong
             trip = d2.lookup_and_retrieve(seq, expected)
             assert trip.checksums_match, seq
@@ -112,34 +107,16 @@ def test_kill_during_eviction_restarts_clean(tmp_path: Path) -> None:
         stop_server(s)
 
 
-def _listening(port: int) -> list[str]:
-    """Local addresses listening on ``port`` (from /proc/net/tcp and tcp6)."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as fh:
-            for line in fh.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                addr, hexport = local.rsplit(":", 1)
-                if state == "0A" and int(hexport, 16) == port:
-                    found.append(addr)
-    return found
-
-
 def test_security_defaults(settings: ServerSettings) -> None:
     start_server(settings)
     assert (settings.cache_root.stat().st_mode & 0o777) == 0o700
-    for port in (settings.zmq_port, settings.http_port):
-        addrs = _listening(port)
-        assert addrs and all(a == "0100007F" for a in addrs), (port, addrs)  # 127.0.0.1
+    assert (settings.socket_dir.stat().st_mode & 0o777) == 0o700
+    pid = check_pid_file(settings.pid_file).record.pid  # type: ignore[union-attr]
+    assert tcp_listeners(pid) == [], "the server listens on TCP by default"
     for method in ("GET", "POST"):
-        req = urllib.request.Request(settings.http_url + "/run_script", method=method,
-                                     data=b"{}" if method == "POST" else None)
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                code = resp.status
-        except urllib.error.HTTPError as exc:
-            code = exc.code
+        code = http.request(method, settings.http_url + "/run_script", timeout=10,
+                            payload={} if method == "POST" else None).status
         assert code in (403, 404, 405), f"/run_script answered {code} to {method}"
-    env = Path(f"/proc/{check_pid_file(settings.pid_file).record.pid}/environ")  # type: ignore[union-attr]
+    env = Path(f"/proc/{pid}/environ")
     environ = dict(kv.split("=", 1) for kv in env.read_text().split("\0") if "=" in kv)
     assert environ["LMCACHE_TRACK_USAGE"] == "false" and environ["DO_NOT_TRACK"] == "1"

@@ -26,7 +26,10 @@ def test_persistence_adds_the_connector_and_nothing_else(tmp_path: Path) -> None
     assert config["kv_connector_module_path"] == "kvpersist.connector"
     assert config["kv_load_failure_policy"] == "recompute"  # a failed load is a recompute
     extra = config["kv_connector_extra_config"]
-    assert extra["lmcache.mp.port"] == 6001 and extra["kvpersist.pins"] == str(TINY_PINS)
+    assert extra["lmcache.mp.server_urls"] == f"ipc://{tmp_path}/run/request.sock"
+    assert extra["kvpersist.http_url"] == settings.http_url
+    assert extra["kvpersist.http_url"].startswith("http+unix://%2F")
+    assert extra["kvpersist.pins"] == str(TINY_PINS)
     assert extra["kvpersist.chat_template_file"] == str(Path("tmpl.jinja").absolute())
     assert (extra["kvpersist.lookup_timeout_s"], extra["kvpersist.lookup_max_s"]) == (5.0, 600.0)
     assert cmd.count(PROMPT_DETAILS_FLAG) == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.config.adapters import l2_adapter_config
-from kvpersist.config.server import SettingsError, bind_warning, load_settings
+from kvpersist.config.server import SettingsError, access_warning, load_settings
 from kvpersist.serving.pidfile import (
     PidFileError,
     PidRecord,
@@ -41,7 +41,8 @@ def test_defaults_follow_the_design(tmp_path: Path) -> None:
     assert (s.l1_size_gb, s.budget_gb) == (64, 1500)
     assert (s.eviction_watermark, s.eviction_ratio) == (0.9, 0.1)
     assert s.pid_file == tmp_path / "root" / "lmcache-server.pid"
-    assert bind_warning(s) is None
+    assert s.access == "unix" and s.socket_dir == tmp_path / "root" / "run"
+    assert access_warning(s) is None
 
 
 @pytest.mark.parametrize(
@@ -69,13 +70,15 @@ def test_same_ports_refused(tmp_path: Path) -> None:
         settings_for(tmp_path, KVP_ZMQ_PORT="6000", KVP_HTTP_PORT="6000")
 
 
-def test_non_loopback_bind_warns(tmp_path: Path) -> None:
-    warning = bind_warning(settings_for(tmp_path, KVP_BIND_HOST="0.0.0.0"))
+def test_tcp_access_warns_and_non_loopback_says_so(tmp_path: Path) -> None:
+    loopback = access_warning(settings_for(tmp_path, KVP_ACCESS="tcp"))
+    assert loopback is not None and "any account on this host" in loopback
+    warning = access_warning(settings_for(tmp_path, KVP_ACCESS="tcp", KVP_BIND_HOST="0.0.0.0"))
     assert warning is not None and "not loopback" in warning
 
 
 def test_command_line_from_settings(tmp_path: Path) -> None:
-    s = settings_for(tmp_path, KVP_CACHE_BUDGET_GB="2.5", KVP_L1_SIZE_GB="1",
+    s = settings_for(tmp_path, KVP_CACHE_BUDGET_GB="2.5", KVP_L1_SIZE_GB="1", KVP_ACCESS="tcp",
                      KVP_ZMQ_PORT="6001", KVP_HTTP_PORT="6002", KVP_L2_ADAPTER="nixl_store_dynamic")
     cmd = server_command(s, executable="lmcache")
     assert cmd[:2] == ["lmcache", "server"]
@@ -136,7 +139,7 @@ def test_busy_port_refused(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        s = settings_for(tmp_path, KVP_HTTP_PORT=str(port))
+        s = settings_for(tmp_path, KVP_ACCESS="tcp", KVP_HTTP_PORT=str(port))
         with pytest.raises(ServerError, match=f"KVP_HTTP_PORT={port} is busy"):
             check_preconditions(s)
 

@@ -12,8 +12,15 @@ from pathlib import Path
 
 from ..config.adapters import l2_adapter_config
 from ..config.environment import TELEMETRY_OFF
-from ..config.server import ServerSettings
+from ..config.server import (
+    ServerSettings,
+    SettingsError,
+    access_warning,
+    describe_access,
+    group_id,
+)
 from ..identity import FIELDS, IdentityError, load_pins
+from ..serving.private_paths import PrivatePathError, check_private_dir
 from ..serving.server import is_healthy, port_is_free
 from .budget import BudgetModel, device_ceiling
 
@@ -82,6 +89,42 @@ def filesystem_check(root: Path, *, production: bool, mounts: str = "/proc/mount
     return Check("filesystem", "warn", f"{where}: not a file system kvpersist was tested on")
 
 
+def access_check(settings: ServerSettings) -> Check:
+    """Which access mode is on: ``unix`` is ok; ``tcp`` (open to every local account) warns."""
+    warning = access_warning(settings)
+    return Check("access", "warn" if warning else "ok",
+                 f"KVP_ACCESS={settings.access}: {describe_access(settings)}"
+                 + (f". {warning.removeprefix('WARNING: ')}" if warning else ""))
+
+
+def runtime_dir_check(settings: ServerSettings, *, running: bool) -> Check:
+    where = settings.socket_dir
+    if not os.path.lexists(where):
+        return Check("runtime dir", "ok", f"{where} will be created (mode "
+                     f"{'0750' if settings.access_group else '0700'})")
+    try:
+        group = None if settings.access_group is None else group_id(settings.access_group)
+        check_private_dir(where, "KVP_RUNTIME_DIR", group=group)
+    except (PrivatePathError, SettingsError) as exc:
+        return Check("runtime dir", "error", f"{exc}; the server refuses to start")
+    state = "the running server's sockets" if running else "no server answers there"
+    return Check("runtime dir", "ok", f"{where} is private ({state})")
+
+
+def port_checks(settings: ServerSettings, *, running: bool) -> list[Check]:
+    checks = []
+    for name, port in (("KVP_ZMQ_PORT", settings.zmq_port), ("KVP_HTTP_PORT", settings.http_port)):
+        if running:
+            checks.append(Check(f"port {name}", "ok", f"{port} is served by the running server"))
+        elif port_is_free(settings.bind_host, port):
+            checks.append(Check(f"port {name}", "ok", f"{port} is free on {settings.bind_host}"))
+        else:
+            checks.append(Check(f"port {name}", "error",
+                                f"{port} is busy on {settings.bind_host}; stop what uses it or "
+                                f"set {name}"))
+    return checks
+
+
 def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | None,
                   production: bool = True, device: Path | None = None,
                   environ: dict[str, str] | None = None) -> list[Check]:
@@ -108,23 +151,20 @@ def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | No
     if root.exists() and not os.access(root, os.W_OK | os.X_OK):
         checks.append(Check("cache root", "error", f"{root} is not writable by this user"))
     elif root.exists():
-        mode = root.stat().st_mode & 0o777
-        checks.append(Check("cache root", "ok" if mode == 0o700 else "warn",
-                            f"{root} exists, mode {mode:o}" + ("" if mode == 0o700 else
-                                                              "; chmod 700 keeps KV private")))
+        try:
+            check_private_dir(root, "KVP_CACHE_ROOT", allow_symlink=True)
+            checks.append(Check("cache root", "ok", f"{root} exists, private to this account"))
+        except PrivatePathError as exc:
+            checks.append(Check("cache root", "error", f"{exc}; the server refuses to start"))
     else:
         checks.append(Check("cache root", "ok", f"{root} will be created (mode 0700)"))
 
     running = is_healthy(settings, timeout=1.0)
-    for name, port in (("KVP_ZMQ_PORT", settings.zmq_port), ("KVP_HTTP_PORT", settings.http_port)):
-        if running:
-            checks.append(Check(f"port {name}", "ok", f"{port} is served by the running server"))
-        elif port_is_free(settings.bind_host, port):
-            checks.append(Check(f"port {name}", "ok", f"{port} is free on {settings.bind_host}"))
-        else:
-            checks.append(Check(f"port {name}", "error",
-                                f"{port} is busy on {settings.bind_host}; stop what uses it or "
-                                f"set {name}"))
+    checks.append(access_check(settings))
+    if settings.unix_sockets:
+        checks.append(runtime_dir_check(settings, running=running))
+    else:
+        checks.extend(port_checks(settings, running=running))
 
     adapter = l2_adapter_config(settings)
     checks.append(Check("persist_enabled", "ok" if adapter.get("persist_enabled") else "error",

@@ -8,13 +8,20 @@ Invariants
 * Precedence: explicit overrides > process environment > the template ``lmcache-server.env``
   (package data, :data:`SERVER_TEMPLATE`) > built-in defaults.  The same precedence serves the
   launcher, the demo and the tests.
-* Servers bind 127.0.0.1 unless ``KVP_BIND_HOST`` says otherwise; a non-loopback bind is
-  allowed but reported by :func:`bind_warning`.
+* Access is ``unix`` unless ``KVP_ACCESS`` says otherwise: the request (ZMQ) and admin (HTTP)
+  endpoints are Unix-domain sockets in ``KVP_RUNTIME_DIR`` (default ``<KVP_CACHE_ROOT>/run``), a
+  directory only the server's account (and ``KVP_ACCESS_GROUP``, when set) may enter.  ``tcp``
+  is the explicit opt-in to the unauthenticated loopback ports, reported by
+  :func:`access_warning`.
+* With ``KVP_ACCESS=tcp`` servers bind 127.0.0.1 unless ``KVP_BIND_HOST`` says otherwise; a
+  non-loopback bind is allowed but reported by :func:`access_warning`.
 """
 
 from __future__ import annotations
 
+import grp
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +46,18 @@ DEFAULTS: dict[str, str] = {
     "KVP_CHUNK_SIZE": "256",
     "KVP_START_TIMEOUT_S": "120",
     "KVP_STOP_TIMEOUT_S": "30",
+    "KVP_ACCESS": "unix",
+    "KVP_RUNTIME_DIR": "",
+    "KVP_ACCESS_GROUP": "",
 }
+
+#: ``unix``: sockets in a private directory (the default); ``tcp``: open loopback ports (opt-in).
+ACCESS_MODES = ("unix", "tcp")
+#: sun_path holds 108 bytes with its terminating NUL.
+MAX_SOCKET_PATH_BYTES = 107
+RUNTIME_DIR_NAME = "run"
+REQUEST_SOCKET_NAME = "request.sock"
+HTTP_SOCKET_NAME = "http.sock"
 
 PID_FILE_NAME = "lmcache-server.pid"
 LOG_FILE_NAME = "lmcache-server.log"
@@ -71,6 +89,33 @@ class ServerSettings:
     chunk_size: int
     start_timeout_s: float
     stop_timeout_s: float
+    access: str = "unix"
+    runtime_dir: Path | None = None
+    access_group: str | None = None
+
+    @property
+    def unix_sockets(self) -> bool:
+        return self.access == "unix"
+
+    @property
+    def socket_dir(self) -> Path:
+        """The runtime directory that holds the sockets (``KVP_RUNTIME_DIR``)."""
+        return self.runtime_dir or self.cache_root / RUNTIME_DIR_NAME
+
+    @property
+    def request_socket(self) -> Path:
+        return self.socket_dir / REQUEST_SOCKET_NAME
+
+    @property
+    def http_socket(self) -> Path:
+        return self.socket_dir / HTTP_SOCKET_NAME
+
+    @property
+    def request_url(self) -> str:
+        """The URL a ZMQ client connects to (``lmcache.mp.server_urls``)."""
+        if self.unix_sockets:
+            return f"ipc://{self.request_socket}"
+        return f"{self.zmq_url}:{self.zmq_port}"
 
     @property
     def pid_file(self) -> Path:
@@ -82,6 +127,10 @@ class ServerSettings:
 
     @property
     def http_url(self) -> str:
+        """The admin API's base URL: ``http+unix://<quoted socket path>`` or ``http://host:port``
+        (:mod:`kvpersist.serving.http` speaks both)."""
+        if self.unix_sockets:
+            return "http+unix://" + urllib.parse.quote(str(self.http_socket), safe="")
         host = "127.0.0.1" if self.bind_host in ("0.0.0.0", "localhost") else self.bind_host
         if ":" in host:
             host = f"[{host}]"
@@ -132,7 +181,12 @@ def load_settings(
         chunk_size=values.positive_int("KVP_CHUNK_SIZE", merged["KVP_CHUNK_SIZE"]),
         start_timeout_s=values.positive_float("KVP_START_TIMEOUT_S", merged["KVP_START_TIMEOUT_S"]),
         stop_timeout_s=values.positive_float("KVP_STOP_TIMEOUT_S", merged["KVP_STOP_TIMEOUT_S"]),
+        access=values.choice("KVP_ACCESS", merged["KVP_ACCESS"], ACCESS_MODES),
+        runtime_dir=(Path(merged["KVP_RUNTIME_DIR"].strip()).expanduser().absolute()
+                     if merged["KVP_RUNTIME_DIR"].strip() else None),
+        access_group=merged["KVP_ACCESS_GROUP"].strip() or None,
     )
+    _check_access(settings)
     if settings.zmq_port == settings.http_port:
         raise SettingsError(
             f"KVP_ZMQ_PORT and KVP_HTTP_PORT are both {settings.zmq_port}; they must differ"
@@ -140,11 +194,59 @@ def load_settings(
     return settings
 
 
-def bind_warning(settings: ServerSettings) -> str | None:
-    """A warning text when the server would listen beyond loopback, else None."""
-    if values.is_loopback(settings.bind_host):
+def group_id(name: str) -> int:
+    """The gid of group ``name`` (a name or a number), or :class:`SettingsError`."""
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        if name.isdigit():
+            return int(name)
+        raise SettingsError(f"KVP_ACCESS_GROUP={name!r} is not a group on this host "
+                            "(see `getent group`)") from None
+
+
+def _check_access(settings: ServerSettings) -> None:
+    if not settings.unix_sockets:
+        if settings.access_group is not None:
+            raise SettingsError("KVP_ACCESS_GROUP applies to KVP_ACCESS=unix only; the tcp "
+                                "endpoints cannot tell accounts apart")
+        return
+    if settings.access_group is not None:
+        group_id(settings.access_group)
+        runtime = settings.socket_dir
+        if runtime == settings.cache_root or settings.cache_root in runtime.parents:
+            raise SettingsError(
+                "KVP_ACCESS_GROUP needs KVP_RUNTIME_DIR outside KVP_CACHE_ROOT (the cache root "
+                "stays 0700, so the group could not reach sockets inside it); e.g. "
+                "KVP_RUNTIME_DIR=/run/kvpersist")
+    for path in (settings.request_socket, settings.http_socket):
+        if len(os.fsencode(str(path))) > MAX_SOCKET_PATH_BYTES:
+            raise SettingsError(
+                f"the socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes, the limit "
+                "of a Unix-domain socket; set KVP_RUNTIME_DIR to a shorter directory "
+                "(e.g. /run/kvpersist)")
+
+
+def access_warning(settings: ServerSettings) -> str | None:
+    """A warning text when the endpoints are not limited to the server's account, else None."""
+    if settings.unix_sockets:
         return None
+    where = ("loopback" if values.is_loopback(settings.bind_host)
+             else f"{settings.bind_host}, which is not loopback")
     return (
-        f"WARNING: the LMCache server will listen on {settings.bind_host} (not loopback): "
-        "its ZMQ and HTTP APIs have no authentication; expose them only on a trusted network"
+        f"WARNING: KVP_ACCESS=tcp: the LMCache server listens on {where} (ports "
+        f"{settings.zmq_port}, {settings.http_port}) without access control: any account on "
+        "this host (and any container sharing its network) can read, write and delete the "
+        "cache. Use the default KVP_ACCESS=unix unless every local account is trusted"
     )
+
+
+def describe_access(settings: ServerSettings) -> str:
+    """One line for operators: which access mode is on and who may use the endpoints."""
+    if settings.unix_sockets:
+        who = "its own account" + (f" and group {settings.access_group}"
+                                   if settings.access_group else "")
+        return (f"unix sockets in {settings.socket_dir} (request {REQUEST_SOCKET_NAME}, admin "
+                f"{HTTP_SOCKET_NAME}); only {who} may connect")
+    return (f"tcp {settings.bind_host}:{settings.zmq_port} (request) and "
+            f":{settings.http_port} (admin), open to every local account")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..admin.budget import BudgetModel
 from ..admin.report import build_report
-from ..config.server import load_settings
+from ..config.server import describe_access, load_settings
 from ..identity import load_pins
 from ..identity.records import list_records
 from ..l2.inventory import build_inventory
@@ -91,7 +91,7 @@ def run_demo(work: Path, cache_root: Path, *, tokens: int, keep: bool) -> int:
         for round_no in (1, 2):
             res = start_server(settings)
             _say(f"round {round_no}: LMCache server pid {res.pid} ready in {res.seconds:.1f}s "
-                 f"(ZMQ {settings.zmq_port}, HTTP {settings.http_port}, root {cache_root})")
+                 f"({describe_access(settings)}; root {cache_root})")
             ready = vllm.start()
             _say(f"round {round_no}: vLLM ready in {ready:.0f}s on {vllm.base_url}")
             answer = chat(vllm.base_url, messages)

@@ -14,6 +14,7 @@ Invariants
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,16 +68,23 @@ def resolve_engine_identity(vllm_config: Any, options: ConnectorOptions) -> Iden
     return merge_sources(pins, live, live_label="engine")
 
 
-def server_answers(options: ConnectorOptions) -> bool:
-    """True if the LMCache server's ``/healthcheck`` answers (True when no URL is known)."""
+def server_answers(options: ConnectorOptions) -> bool | str:
+    """True if the LMCache server's ``/healthcheck`` answers (True when no URL is known);
+    False when it does not; the reason when this account may not use it."""
     if options.http_url is None:
         return True
-    return http.answers(options.http_url.rstrip("/") + "/healthcheck",
+    try:
+        resp = http.get(options.http_url.rstrip("/") + "/healthcheck",
                         timeout=SERVER_PROBE_TIMEOUT_S)
+    except http.AccessDenied as exc:
+        return f"{exc} (this process runs as uid {os.geteuid()})"
+    except http.HttpError:
+        return False
+    return resp.status == 200
 
 
 def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
-           probe: Callable[[ConnectorOptions], bool] = server_answers) -> GateDecision:
+           probe: Callable[[ConnectorOptions], bool | str] = server_answers) -> GateDecision:
     """Open or close the gate for one connector instance (see module invariants)."""
     try:
         options = ConnectorOptions.from_extra_config(extra_config(vllm_config), environ)
@@ -85,7 +93,10 @@ def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
     resolution = resolve_engine_identity(vllm_config, options)
     if not resolution.enabled or resolution.identity is None:
         return GateDecision.off(resolution.summary(), options)
-    if not probe(options):
+    answer = probe(options)
+    if isinstance(answer, str):
+        return GateDecision.off(answer, options)
+    if not answer:
         return GateDecision.off("the LMCache server does not answer at start", options)
     return GateDecision(resolution.identity, options, None)
 

@@ -66,8 +66,7 @@ def kv_transfer_config(
         raise FileNotFoundError(f"identity pins file {pins_path} does not exist")
     run = launcher or load_launcher_settings()
     extra_config: dict[str, Any] = {
-        "lmcache.mp.host": settings.zmq_url,
-        "lmcache.mp.port": settings.zmq_port,
+        "lmcache.mp.server_urls": settings.request_url,
         "lmcache.mp.mp_transfer_mode": run.transfer_mode or default_transfer_mode(),
         "lmcache.mp.heartbeat_interval": run.heartbeat_s,
         "lmcache.mp.mq_timeout": run.mq_timeout_s,

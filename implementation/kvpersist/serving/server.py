@@ -5,9 +5,13 @@ Invariants
 * Every setting is validated and every precondition checked (ports free, root writable)
   *before* a process is spawned; a failure raises :class:`ServerError` with a fix-it message.
 * The server runs in its own session with telemetry off
-  (:func:`kvpersist.config.environment.process_env`), bound to
-  ``KVP_BIND_HOST`` (127.0.0.1 by default); its output goes to ``KVP_CACHE_ROOT/lmcache-server.log``.
-* ``KVP_CACHE_ROOT`` is created with mode 0700.
+  (:func:`kvpersist.config.environment.process_env`) and umask 0077; its output goes to
+  ``KVP_CACHE_ROOT/lmcache-server.log``.
+* With ``KVP_ACCESS=unix`` (the default) it listens only on the two sockets in the runtime
+  directory (:mod:`kvpersist.serving.lmcache_entry`); with ``tcp`` on ``KVP_BIND_HOST`` ports.
+* The cache root, the runtime directory, the pid file and the log are private to the server's
+  account (:mod:`kvpersist.serving.private_paths`): created so, and refused with a fix-it
+  message when they are not.
 * The pid file names one process by pid *and* start time; stop never signals a process
   that is not the recorded one (see :mod:`kvpersist.pidfile`).
 * ``start`` returns only once ``/healthcheck`` answers 200, or fails and leaves no process
@@ -32,8 +36,9 @@ from typing import Any
 
 from ..config.adapters import l2_adapter_config
 from ..config.environment import process_env
-from ..config.server import ServerSettings, bind_warning
+from ..config.server import ServerSettings, access_warning, group_id
 from . import http
+from .lmcache_entry import SocketPathError, clear_stale_socket
 from .pidfile import (
     PidRecord,
     PidState,
@@ -42,6 +47,12 @@ from .pidfile import (
     process_start_ticks,
     remove_pid_file,
     write_pid_file,
+)
+from .private_paths import (
+    PrivatePathError,
+    check_private_file,
+    ensure_private_dir,
+    open_private_log,
 )
 
 HTTP_TIMEOUT_S = http.DEFAULT_TIMEOUT_S
@@ -54,6 +65,8 @@ class ServerError(RuntimeError):
 #: ``lmcache`` run by this interpreter: the server imports the kvpersist adapter from the same
 #: environment as the tool that starts it (its ``lmcache`` console script could belong to another).
 LMCACHE_ENTRY = ("-c", "import sys; from lmcache.cli.main import main; sys.exit(main())")
+#: The same, with both endpoints on Unix-domain sockets.
+UNIX_ENTRY = ("-m", "kvpersist.serving.lmcache_entry")
 
 
 def lmcache_command() -> list[str]:
@@ -66,10 +79,24 @@ def lmcache_command() -> list[str]:
     return [sys.executable, *LMCACHE_ENTRY]
 
 
+def _entry(settings: ServerSettings, executable: str | None) -> list[str]:
+    if not settings.unix_sockets:
+        return [executable] if executable else lmcache_command()
+    python = executable or lmcache_command()[0]
+    group = None if settings.access_group is None else group_id(settings.access_group)
+    return [python, *UNIX_ENTRY,
+            "--request-socket", str(settings.request_socket),
+            "--http-socket", str(settings.http_socket),
+            "--socket-mode", "0660" if group is not None else "0600",
+            *(["--socket-group", str(group)] if group is not None else []),
+            "--"]
+
+
 def server_command(settings: ServerSettings, executable: str | None = None) -> list[str]:
-    """The ``lmcache server`` argv for ``settings`` (pure; no I/O beyond the template file)."""
+    """The ``lmcache server`` argv for ``settings`` (pure; no I/O beyond the template file).
+    ``executable``: a Python interpreter for the unix entry, else the ``lmcache`` command."""
     return [
-        *([executable] if executable else lmcache_command()),
+        *_entry(settings, executable),
         "server",
         "--host", settings.bind_host,
         "--port", str(settings.zmq_port),
@@ -108,11 +135,14 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def prepare_cache_root(root: Path) -> None:
-    """Create ``root`` with mode 0700 if needed and prove it is a writable directory."""
+    """Create ``root`` with mode 0700 if needed, check it is private to this account, and prove
+    it is a writable directory."""
     if root.exists() and not root.is_dir():
         raise ServerError(f"KVP_CACHE_ROOT={root} exists and is not a directory")
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ensure_private_dir(root, "KVP_CACHE_ROOT", allow_symlink=True)
+    except PrivatePathError as exc:
+        raise ServerError(str(exc)) from None
     except OSError as exc:
         raise ServerError(
             f"cannot create KVP_CACHE_ROOT={root}: {exc.strerror}; choose a writable path"
@@ -130,12 +160,20 @@ def prepare_cache_root(root: Path) -> None:
 def check_preconditions(settings: ServerSettings) -> PidStatus:
     """Everything ``start`` needs, checked before spawning.  Returns the pid-file status."""
     prepare_cache_root(settings.cache_root)
+    try:
+        check_private_file(settings.pid_file, "the pid file")
+        check_private_file(settings.log_file, "the server log")
+    except PrivatePathError as exc:
+        raise ServerError(str(exc)) from None
     status = check_pid_file(settings.pid_file)
     if status.running and status.record is not None:
         raise ServerError(
             f"an LMCache server (pid {status.record.pid}) already runs on {settings.cache_root}; "
             "one server per cache root. Stop it first (scripts/kvp-server.sh stop)"
         )
+    if settings.unix_sockets:
+        _prepare_runtime_dir(settings)
+        return status
     for name, port in (("KVP_ZMQ_PORT", settings.zmq_port), ("KVP_HTTP_PORT", settings.http_port)):
         if not port_is_free(settings.bind_host, port):
             raise ServerError(
@@ -143,6 +181,26 @@ def check_preconditions(settings: ServerSettings) -> PidStatus:
                 f"(e.g. `ss -ltnp 'sport = :{port}'`) or choose another port"
             )
     return status
+
+
+def _prepare_runtime_dir(settings: ServerSettings) -> None:
+    """The private runtime directory, with no live server's socket and no stale one in it."""
+    group = None if settings.access_group is None else group_id(settings.access_group)
+    try:
+        ensure_private_dir(settings.socket_dir, "KVP_RUNTIME_DIR", group=group)
+    except PrivatePathError as exc:
+        raise ServerError(str(exc)) from None
+    except OSError as exc:
+        raise ServerError(f"cannot create KVP_RUNTIME_DIR={settings.socket_dir}: "
+                          f"{exc.strerror}; choose a writable path") from None
+    if is_healthy(settings, timeout=1.0):
+        raise ServerError(f"a server already answers on {settings.http_socket}; one server per "
+                          "runtime directory. Stop it, or set another KVP_RUNTIME_DIR")
+    try:
+        for path in (settings.request_socket, settings.http_socket):
+            clear_stale_socket(path)
+    except SocketPathError as exc:
+        raise ServerError(str(exc)) from None
 
 
 def is_healthy(settings: ServerSettings, timeout: float = HTTP_TIMEOUT_S) -> bool:
@@ -172,7 +230,7 @@ def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = No
         remove_pid_file(settings.pid_file, stale.record)
     cmd = server_command(settings)
     began = time.monotonic()
-    log = open(settings.log_file, "ab")  # noqa: SIM115 - handed to the child
+    log = open_private_log(settings.log_file)
     try:
         proc = subprocess.Popen(
             cmd,
@@ -182,9 +240,10 @@ def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = No
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=settings.cache_root,
+            umask=0o077,
         )
     finally:
-        log.close()
+        os.close(log)
     ticks = process_start_ticks(proc.pid)
     record = PidRecord(proc.pid, ticks or 0, "lmcache server", settings.zmq_port, settings.http_port)
     write_pid_file(settings.pid_file, record)
@@ -197,7 +256,7 @@ def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = No
                 f"log {settings.log_file}:\n{_log_tail(settings.log_file)}"
             )
         if is_healthy(settings, timeout=1.0):
-            return StartResult(proc.pid, stale, bind_warning(settings), time.monotonic() - began)
+            return StartResult(proc.pid, stale, access_warning(settings), time.monotonic() - began)
         time.sleep(0.25)
     _terminate(proc.pid, settings.stop_timeout_s)
     with contextlib.suppress(ChildProcessError):
@@ -264,6 +323,10 @@ def stop_server(settings: ServerSettings) -> StopResult:
     assert status.record is not None
     graceful = _terminate(status.record.pid, settings.stop_timeout_s)
     remove_pid_file(settings.pid_file, status.record)
+    if settings.unix_sockets:
+        for path in (settings.request_socket, settings.http_socket):
+            with contextlib.suppress(SocketPathError, OSError):
+                clear_stale_socket(path)
     return StopResult(status, signalled=True, graceful=graceful)
 
 
@@ -275,6 +338,8 @@ def server_status(settings: ServerSettings) -> dict[str, Any]:
         "pid_file": str(settings.pid_file),
         "pid": pid.record.pid if pid.record else None,
         "pid_state": pid.state.value,
+        "access": settings.access,
+        "request_url": settings.request_url,
         "bind_host": settings.bind_host,
         "zmq_port": settings.zmq_port,
         "http_port": settings.http_port,

@@ -66,7 +66,7 @@ def run_cycles(settings: ServerSettings, cycles: int, *, seqs_per_cycle: int = 1
                seed: int = 1234, log: object = None) -> CycleReport:
     rng = random.Random(seed)
     report = CycleReport()
-    zmq = f"{settings.zmq_url}:{settings.zmq_port}"
+    zmq = settings.request_url
     stored_upto = 0
     start_server(settings)
     for cycle in range(cycles):

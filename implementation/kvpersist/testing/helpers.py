@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -90,3 +91,28 @@ def pins_for_model(snapshot: Path, path: Path, *, block_size: int = 128,
     env = {f.name: f.env for f in FIELDS}
     path.write_text("".join(f"{env[k]}={v}\n" for k, v in sorted(fields.items())))
     return path
+
+
+def tcp_listeners(pid: int) -> list[str]:
+    """``address:port`` of every listening TCP socket that process ``pid`` holds open (from
+    ``/proc/<pid>/fd`` and ``/proc/net/tcp{,6}``; the addresses stay in the kernel's hex)."""
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1])
+    return found

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from ...config.server import SettingsError
+from ...config.server import SettingsError, describe_access
 from ...serving.pidfile import PidFileError
 from ...serving.server import ServerError, server_status, start_server, stop_server
 from .common import EXIT_ERROR, EXIT_OFF, EXIT_OK, Subparsers, add_json, print_json, settings_or_exit, table
@@ -40,14 +40,14 @@ def cmd_server(args: argparse.Namespace) -> int:
                 print(res.warning, file=sys.stderr)
             if res.replaced_stale is not None:
                 print(f"note: replaced a {res.replaced_stale.state.value} pid file", file=sys.stderr)
-            out = {"pid": res.pid, "seconds": round(res.seconds, 2), "http_url": settings.http_url,
-                   "zmq_port": settings.zmq_port, "cache_root": str(settings.cache_root)}
+            out = {"pid": res.pid, "seconds": round(res.seconds, 2), "access": settings.access,
+                   "request_url": settings.request_url, "http_url": settings.http_url,
+                   "cache_root": str(settings.cache_root)}
             if args.json:
                 print_json(out)
             else:
-                print(f"LMCache server started: pid {res.pid}, ZMQ {settings.zmq_url}:"
-                      f"{settings.zmq_port}, HTTP {settings.http_url}, root {settings.cache_root} "
-                      f"({res.seconds:.1f}s)")
+                print(f"LMCache server started: pid {res.pid}, {describe_access(settings)}; "
+                      f"root {settings.cache_root} ({res.seconds:.1f}s)")
             return EXIT_OK
         if args.action == "stop":
             stopped = stop_server(settings)

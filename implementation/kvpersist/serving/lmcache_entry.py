@@ -1,0 +1,146 @@
+"""``lmcache server`` with its two endpoints on Unix-domain sockets instead of TCP ports.
+
+LMCache 0.5.6 binds its request server to ``tcp://host:port`` and its admin API (uvicorn) to
+``host:port``; its clients already accept ``ipc://`` URLs.  This entry point is the contained
+server-side extension: it changes *where* the two endpoints listen and nothing else, then runs
+LMCache's own command line unchanged::
+
+    python -m kvpersist.serving.lmcache_entry --request-socket P --http-socket P \\
+        [--socket-mode 0600] [--socket-group G] -- server <lmcache server arguments>
+
+Invariants
+----------
+* No TCP listener is opened for either endpoint: the request server is built with
+  ``ipc://<request socket>`` in place of the TCP URL, and uvicorn is handed a socket this
+  module bound (``fd=``), never a host and port.
+* Each socket file gets ``--socket-mode`` (and ``--socket-group``) before the server answers
+  on it; the process umask is 0077, so everything else the server creates (L2 files, logs) is
+  private to its account.  Access is decided by the runtime directory that holds the sockets
+  (see :mod:`kvpersist.serving.private_paths`); the socket modes are a second line.
+* A socket path that exists is replaced only when it is a socket (a stale one of a dead server;
+  the launcher has already proven no server runs); a symlink or any other file is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import stat
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+
+class SocketPathError(RuntimeError):
+    """A socket path is occupied by something that is not a stale socket."""
+
+
+def clear_stale_socket(path: Path) -> None:
+    """Remove ``path`` when it is a socket file; refuse a symlink or any other file there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a socket"
+        raise SocketPathError(f"{path} is {kind}; refusing to replace it (remove it yourself "
+                              "if it is yours)")
+    path.unlink()
+
+
+def _restrict(path: Path, mode: int, gid: int | None) -> None:
+    if gid is not None:
+        os.chown(path, -1, gid, follow_symlinks=False)
+    os.chmod(path, mode)
+
+
+def bind_http_socket(path: Path, mode: int, gid: int | None) -> socket.socket:
+    """A listening AF_UNIX stream socket at ``path`` with ``mode``/``gid`` set."""
+    clear_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    _restrict(path, mode, gid)
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def install(request_socket: Path, http_socket: Path, mode: int, gid: int | None) -> None:
+    """Make LMCache's server listen on the two sockets (see the module invariants)."""
+    import uvicorn
+    from lmcache.v1.multiprocess import http_server
+    from lmcache.v1.multiprocess.transport.zmq_impl import server as zmq_server
+
+    base_queue_server: Any = zmq_server.MessageQueueServer
+
+    class UnixMessageQueueServer(base_queue_server):  # type: ignore[misc, valid-type]
+        def __init__(self, bind_url: str, context: Any) -> None:
+            clear_stale_socket(request_socket)
+            super().__init__(f"ipc://{request_socket}", context)
+            _restrict(request_socket, mode, gid)
+
+    zmq_server.MessageQueueServer = UnixMessageQueueServer  # type: ignore[misc]
+
+    listener = bind_http_socket(http_socket, mode, gid)
+
+    class UnixSocketConfig(uvicorn.Config):
+        def __init__(self, app: Any, **kwargs: Any) -> None:
+            kwargs.pop("host", None)
+            kwargs.pop("port", None)
+            super().__init__(app, fd=listener.fileno(), **kwargs)
+
+    http_server.uvicorn = SimpleNamespace(  # type: ignore[attr-defined]
+        Config=UnixSocketConfig, Server=uvicorn.Server)
+
+
+def parse_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode such as 0600") from None
+    if mode & ~0o660:
+        raise argparse.ArgumentTypeError(f"{text!r}: a socket mode may grant owner and group "
+                                         "read/write only (e.g. 0600 or 0660)")
+    return mode
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpersist.serving.lmcache_entry",
+        description="Run `lmcache server` with its request (ZMQ) and admin (HTTP) endpoints on "
+                    "Unix-domain sockets. Arguments after `--` are LMCache's own.")
+    parser.add_argument("--request-socket", type=Path, required=True,
+                        help="path of the ZMQ request socket (clients use ipc://PATH)")
+    parser.add_argument("--http-socket", type=Path, required=True,
+                        help="path of the admin API socket (curl --unix-socket PATH)")
+    parser.add_argument("--socket-mode", type=parse_mode, default=0o600,
+                        help="octal mode of both socket files (default 0600; 0660 with a group)")
+    parser.add_argument("--socket-group", type=int, default=None,
+                        help="gid given to both socket files")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    split = args_in.index("--") if "--" in args_in else len(args_in)
+    args = build_parser().parse_args(args_in[:split])
+    lmcache_args = args_in[split + 1:]
+    os.umask(0o077)
+    try:
+        install(args.request_socket, args.http_socket, args.socket_mode, args.socket_group)
+    except (SocketPathError, OSError) as exc:
+        print(f"kvpersist: cannot listen on {args.http_socket.parent}: {exc}", file=sys.stderr)
+        return 2
+    print(f"kvpersist: LMCache endpoints on unix sockets {args.request_socket} (request) and "
+          f"{args.http_socket} (admin), mode {args.socket_mode:04o}", file=sys.stderr, flush=True)
+    from lmcache.cli.main import main as lmcache_main
+
+    lmcache_main(lmcache_args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
