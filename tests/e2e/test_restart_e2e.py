@@ -2,7 +2,9 @@
 
 A long chat stores chunks in L2 under the namespace; after restarting *both* processes the same
 chat gets its prefix from L2 with identical output and logprobs; a changed identity field gives a
-new namespace with no hits and leaves the old files untouched.
+new namespace with no hits and leaves the old files untouched.  The chat carries a unique marker
+string that must appear in no log, record or tool output the stack wrote: only the KV payloads
+(numbers, not text) are derived from the prompt.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ import pytest
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.identity import load_pins, merge_sources
+from kvpersist.identity.records import list_records
 from kvpersist.identity.sources import build_identity, from_model_folder
 from kvpersist.l2.layout import sanitize_model_name
 from kvpersist.serving import http
@@ -40,13 +44,24 @@ def expected_namespace(model_dir: Path, pins_path: Path, **live: object) -> str:
     return res.identity.namespace
 
 
+ADMIN_OUTPUTS: list[str] = []  # every kvp-admin stdout/stderr of this module, for the marker scan
+
+
 def admin_json(env: dict[str, str], *argv: str) -> dict[str, Any]:
     """``kvp-admin ARGV --json`` against the test's server and cache root."""
     res = subprocess.run([sys.executable, "-m", "kvpersist.admin.cli", *argv, "--json"],
                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    ADMIN_OUTPUTS.extend((res.stdout, res.stderr))
     assert res.returncode == 0, res.stderr
     data: dict[str, Any] = json.loads(res.stdout)
     return data
+
+
+def files_containing(top: Path, needle: bytes, *, skip_suffix: str = ".kvp") -> list[Path]:
+    """Regular files under ``top`` whose bytes contain ``needle`` (KV payloads skipped)."""
+    return [p for p in sorted(top.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.suffix != skip_suffix
+            and needle in p.read_bytes()]
 
 
 def lmcache_metric(settings: ServerSettings, name: str) -> float:
@@ -58,7 +73,9 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
     tiny_model: Path, tmp_path: Path, server_env: dict[str, str], settings: ServerSettings
 ) -> None:
     root = settings.cache_root
-    messages = long_conversation(900)
+    marker = f"kvp-secret-{uuid.uuid4().hex[:16]}"
+    messages = long_conversation(800)
+    messages[0]["content"] += f" Case {marker}."
     vllm = VllmProcess(tiny_model, TINY_PINS, tmp_path / "vllm.log", server_env)
     namespace = expected_namespace(tiny_model, TINY_PINS, block_size=128, tensor_parallel_size=1,
                                    pipeline_parallel_size=1)
@@ -122,5 +139,17 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
         assert engines[new_namespace]["fields"]["max_model_len"] == 1024, engines
         diff = admin_json(server_env, "identity", "diff", namespace, new_namespace)
         assert [d["field"] for d in diff["differences"]] == ["max_model_len"], diff
+        admin_json(server_env, "report")
+        admin_json(server_env, "verify")
     finally:
         vllm.kill()
+    stop_server(settings)
+
+    # No prompt text anywhere but the KV payloads: server log, vLLM logs, identity records,
+    # kvp-admin output.  The scan can find the marker: the prompt the test sent contains it.
+    assert marker in json.dumps(messages)
+    written = [settings.log_file, tmp_path / "vllm.log", tmp_path / "vllm-changed.log"]
+    assert all(p.is_file() and p.stat().st_size > 0 for p in written), written
+    assert len(list_records(root)) == 2, "the identity records the scan must cover are missing"
+    assert files_containing(tmp_path, marker.encode()) == []
+    assert [o for o in ADMIN_OUTPUTS if marker in o] == []

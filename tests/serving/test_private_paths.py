@@ -125,7 +125,7 @@ def test_pid_file_and_log_are_checked(tmp_path: Path) -> None:
     s.log_file.unlink()
     s.pid_file.write_text("{}")
     s.pid_file.chmod(0o666)
-    with pytest.raises(ServerError, match="the pid file .* has mode 0666"):
+    with pytest.raises(ServerError, match=r"the pid file .* has mode 0666"):
         check_preconditions(s)
 
 
