@@ -191,7 +191,9 @@ def test_second_server_on_same_root_is_refused(settings: ServerSettings, tmp_pat
     # A second server started by other means (no pid file check) meets the adapter's root lock.
     other = load_settings({
         "KVP_CACHE_ROOT": str(settings.cache_root), "KVP_ZMQ_PORT": str(free_port()),
-        "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1", "KVP_CACHE_BUDGET_GB": "1"})
+        "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1", "KVP_CACHE_BUDGET_GB": "1",
+        "KVP_RUNTIME_DIR": str(tmp_path / "run2")})
+    (tmp_path / "run2").mkdir(mode=0o700)
     log = tmp_path / "second.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(server_command(other), env=server_environment(), stdout=fh,

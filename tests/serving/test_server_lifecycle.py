@@ -80,9 +80,9 @@ def test_tcp_access_warns_and_non_loopback_says_so(tmp_path: Path) -> None:
 def test_command_line_from_settings(tmp_path: Path) -> None:
     s = settings_for(tmp_path, KVP_CACHE_BUDGET_GB="2.5", KVP_L1_SIZE_GB="1", KVP_ACCESS="tcp",
                      KVP_ZMQ_PORT="6001", KVP_HTTP_PORT="6002", KVP_L2_ADAPTER="nixl_store_dynamic")
-    cmd = server_command(s, executable="lmcache")
-    assert cmd[:2] == ["lmcache", "server"]
-    flags = dict(zip(cmd[2::2], cmd[3::2], strict=True))
+    cmd = server_command(s, python="/py")
+    assert cmd[:5] == ["/py", "-m", "kvpersist.serving.lmcache_entry", "--", "server"]
+    flags = dict(zip(cmd[5::2], cmd[6::2], strict=True))
     assert flags["--host"] == flags["--http-host"] == "127.0.0.1"
     assert flags["--port"] == "6001" and flags["--http-port"] == "6002"
     assert flags["--l1-size-gb"] == "1"
@@ -94,6 +94,17 @@ def test_command_line_from_settings(tmp_path: Path) -> None:
     assert adapter["backend_params"]["max_capacity_gb"] == "2.5"
     assert adapter["eviction"] == {
         "eviction_policy": "LRU", "trigger_watermark": 0.9, "eviction_ratio": 0.1}
+
+
+def test_unix_command_line_names_the_sockets(tmp_path: Path) -> None:
+    s = settings_for(tmp_path)
+    cmd = server_command(s, python="/py")
+    split = cmd.index("--")
+    entry = dict(zip(cmd[3:split:2], cmd[4:split:2], strict=True))
+    assert entry == {"--request-socket": str(tmp_path / "root" / "run" / "request.sock"),
+                     "--http-socket": str(tmp_path / "root" / "run" / "http.sock"),
+                     "--socket-mode": "0600"}
+    assert cmd[split + 1] == "server"
 
 
 def test_default_adapter_is_kvpersist_plugin(tmp_path: Path) -> None:

@@ -6,6 +6,10 @@ Invariants
   from validated :class:`~kvpersist.config.server.ServerSettings` only, so an adapter config never
   carries an unvalidated value.
 * Every adapter config produced here keeps data on shutdown (``persist_enabled`` true).
+* Lossless only: a ``serde`` block (LMCache's codecs around an L2 adapter) is accepted only
+  when its type is in :data:`LOSSLESS_SERDES`; a lossy codec (fp8, turboquant, ...) would hand
+  back KV that differs from what was computed, which is a wrong token, so it is refused
+  (:func:`refuse_lossy_serde`), here and again in the server's entry point.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from .values import SettingsError
 
 if TYPE_CHECKING:
     from .server import ServerSettings
+
+#: Serde types that give back exactly the bytes they were given.  ``aesgcm`` encrypts each
+#: object with AES-GCM (authenticated: a wrong key or a changed byte is a failed load, a miss).
+LOSSLESS_SERDES = ("aesgcm",)
 
 _PLACEHOLDER = re.compile(r"\$\{([A-Z0-9_]+)\}")
 
@@ -66,6 +74,28 @@ def _fill(node: Any, subs: dict[str, str]) -> Any:
     return node
 
 
+def refuse_lossy_serde(config: Any, where: str) -> None:
+    """Raise :class:`SettingsError` when ``config`` (an adapter config, at any depth) carries a
+    ``serde`` block that is not lossless, or one without a type."""
+    if isinstance(config, list):
+        for item in config:
+            refuse_lossy_serde(item, where)
+        return
+    if not isinstance(config, dict):
+        return
+    serde = config.get("serde")
+    if serde is not None:
+        kind = serde.get("type") if isinstance(serde, dict) else None
+        if kind not in LOSSLESS_SERDES:
+            raise SettingsError(
+                f"{where}: serde {kind!r} is refused: kvpersist serves only the exact KV that was "
+                "computed (a lossy codec such as fp8 or turboquant changes tokens). Lossless "
+                f"serdes: {', '.join(LOSSLESS_SERDES)}; or remove the serde block")
+    for key, value in config.items():
+        if key != "serde":
+            refuse_lossy_serde(value, where)
+
+
 def l2_adapter_config(settings: ServerSettings) -> dict[str, Any]:
     """The ``--l2-adapter`` JSON object for ``settings.l2_adapter``."""
     templates = _templates()
@@ -75,4 +105,7 @@ def l2_adapter_config(settings: ServerSettings) -> dict[str, Any]:
     if config.get("persist_enabled") is False:
         raise SettingsError(f"adapter {settings.l2_adapter!r} has persist_enabled=false")
     assert isinstance(config, dict)
+    if settings.l2_serde is not None:
+        config["serde"] = dict(settings.l2_serde)
+    refuse_lossy_serde(config, f"the {settings.l2_adapter} L2 adapter config")
     return config

@@ -20,11 +20,13 @@ Invariants
 from __future__ import annotations
 
 import grp
+import json
 import os
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import values
 from .adapters import known_adapters
@@ -49,6 +51,7 @@ DEFAULTS: dict[str, str] = {
     "KVP_ACCESS": "unix",
     "KVP_RUNTIME_DIR": "",
     "KVP_ACCESS_GROUP": "",
+    "KVP_L2_SERDE": "",
 }
 
 #: ``unix``: sockets in a private directory (the default); ``tcp``: open loopback ports (opt-in).
@@ -92,6 +95,7 @@ class ServerSettings:
     access: str = "unix"
     runtime_dir: Path | None = None
     access_group: str | None = None
+    l2_serde: Mapping[str, Any] | None = None
 
     @property
     def unix_sockets(self) -> bool:
@@ -185,6 +189,7 @@ def load_settings(
         runtime_dir=(Path(merged["KVP_RUNTIME_DIR"].strip()).expanduser().absolute()
                      if merged["KVP_RUNTIME_DIR"].strip() else None),
         access_group=merged["KVP_ACCESS_GROUP"].strip() or None,
+        l2_serde=_serde("KVP_L2_SERDE", merged["KVP_L2_SERDE"]),
     )
     _check_access(settings)
     if settings.zmq_port == settings.http_port:
@@ -192,6 +197,22 @@ def load_settings(
             f"KVP_ZMQ_PORT and KVP_HTTP_PORT are both {settings.zmq_port}; they must differ"
         )
     return settings
+
+
+def _serde(name: str, raw: str) -> dict[str, Any] | None:
+    """``KVP_L2_SERDE``: a JSON object such as ``{"type": "aesgcm", "master_key_path": ...}``
+    (checked to be lossless by :func:`kvpersist.config.adapters.refuse_lossy_serde`)."""
+    if not raw.strip():
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not JSON; e.g. "
+                            '{"type": "aesgcm", "master_key_path": "/etc/kvpersist/master.key"}'
+                            ) from None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise SettingsError(f"{name}={raw!r} must be a JSON object with a \"type\"")
+    return value
 
 
 def group_id(name: str) -> int:

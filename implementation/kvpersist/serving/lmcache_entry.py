@@ -1,15 +1,19 @@
-"""``lmcache server`` with its two endpoints on Unix-domain sockets instead of TCP ports.
+"""``lmcache server`` under kvpersist's policy: endpoints on Unix-domain sockets, lossless only.
 
 LMCache 0.5.6 binds its request server to ``tcp://host:port`` and its admin API (uvicorn) to
 ``host:port``; its clients already accept ``ipc://`` URLs.  This entry point is the contained
-server-side extension: it changes *where* the two endpoints listen and nothing else, then runs
-LMCache's own command line unchanged::
+server-side extension: it refuses a lossy ``serde`` in any ``--l2-adapter`` and, given the two
+socket paths, changes *where* the two endpoints listen; then it runs LMCache's own command line
+unchanged::
 
-    python -m kvpersist.serving.lmcache_entry --request-socket P --http-socket P \\
-        [--socket-mode 0600] [--socket-group G] -- server <lmcache server arguments>
+    python -m kvpersist.serving.lmcache_entry [--request-socket P --http-socket P \\
+        [--socket-mode 0600] [--socket-group G]] -- server <lmcache server arguments>
 
 Invariants
 ----------
+* An ``--l2-adapter`` whose ``serde`` is not lossless
+  (:func:`kvpersist.config.adapters.refuse_lossy_serde`) stops the process before LMCache
+  starts, with exit code 2 and the reason on stderr.
 * No TCP listener is opened for either endpoint: the request server is built with
   ``ipc://<request socket>`` in place of the TCP URL, and uvicorn is handed a socket this
   module bound (``fd=``), never a host and port.
@@ -24,6 +28,7 @@ Invariants
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import stat
@@ -33,13 +38,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..config.adapters import refuse_lossy_serde
+from ..config.values import SettingsError
+
 
 class SocketPathError(RuntimeError):
     """A socket path is occupied by something that is not a stale socket."""
 
 
 def clear_stale_socket(path: Path) -> None:
-    """Remove ``path`` when it is a socket file; refuse a symlink or any other file there."""
+    """Remove ``path`` when it is a socket nobody listens on; refuse a live socket, a symlink or
+    any other file there."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -48,6 +57,15 @@ def clear_stale_socket(path: Path) -> None:
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a socket"
         raise SocketPathError(f"{path} is {kind}; refusing to replace it (remove it yourself "
                               "if it is yours)")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            pass  # ECONNREFUSED: nobody listens; the socket is stale
+        else:
+            raise SocketPathError(f"a live server listens on {path}; stop it first or use "
+                                  "another KVP_RUNTIME_DIR")
     path.unlink()
 
 
@@ -107,14 +125,33 @@ def parse_mode(text: str) -> int:
     return mode
 
 
+def adapter_arguments(lmcache_args: Sequence[str]) -> list[Any]:
+    """The parsed JSON of every ``--l2-adapter`` value (a value that is not JSON is LMCache's
+    to reject, and is returned as its text)."""
+    values = []
+    for i, arg in enumerate(lmcache_args):
+        text = None
+        if arg == "--l2-adapter" and i + 1 < len(lmcache_args):
+            text = lmcache_args[i + 1]
+        elif arg.startswith("--l2-adapter="):
+            text = arg.split("=", 1)[1]
+        if text is not None:
+            try:
+                values.append(json.loads(text))
+            except ValueError:
+                values.append(text)
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m kvpersist.serving.lmcache_entry",
         description="Run `lmcache server` with its request (ZMQ) and admin (HTTP) endpoints on "
                     "Unix-domain sockets. Arguments after `--` are LMCache's own.")
-    parser.add_argument("--request-socket", type=Path, required=True,
-                        help="path of the ZMQ request socket (clients use ipc://PATH)")
-    parser.add_argument("--http-socket", type=Path, required=True,
+    parser.add_argument("--request-socket", type=Path,
+                        help="path of the ZMQ request socket (clients use ipc://PATH); "
+                             "without it LMCache's TCP --host/--port apply")
+    parser.add_argument("--http-socket", type=Path,
                         help="path of the admin API socket (curl --unix-socket PATH)")
     parser.add_argument("--socket-mode", type=parse_mode, default=0o600,
                         help="octal mode of both socket files (default 0600; 0660 with a group)")
@@ -126,16 +163,28 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     split = args_in.index("--") if "--" in args_in else len(args_in)
-    args = build_parser().parse_args(args_in[:split])
+    parser = build_parser()
+    args = parser.parse_args(args_in[:split])
     lmcache_args = args_in[split + 1:]
+    if (args.request_socket is None) != (args.http_socket is None):
+        parser.error("--request-socket and --http-socket go together")
     os.umask(0o077)
     try:
-        install(args.request_socket, args.http_socket, args.socket_mode, args.socket_group)
-    except (SocketPathError, OSError) as exc:
-        print(f"kvpersist: cannot listen on {args.http_socket.parent}: {exc}", file=sys.stderr)
+        for i, value in enumerate(adapter_arguments(lmcache_args)):
+            refuse_lossy_serde(value, f"--l2-adapter #{i + 1}")
+    except SettingsError as exc:
+        print(f"kvpersist: {exc}", file=sys.stderr)
         return 2
-    print(f"kvpersist: LMCache endpoints on unix sockets {args.request_socket} (request) and "
-          f"{args.http_socket} (admin), mode {args.socket_mode:04o}", file=sys.stderr, flush=True)
+    if args.request_socket is not None:
+        try:
+            install(args.request_socket, args.http_socket, args.socket_mode, args.socket_group)
+        except (SocketPathError, OSError) as exc:
+            print(f"kvpersist: cannot listen on {args.http_socket.parent}: {exc}",
+                  file=sys.stderr)
+            return 2
+        print(f"kvpersist: LMCache endpoints on unix sockets {args.request_socket} (request) "
+              f"and {args.http_socket} (admin), mode {args.socket_mode:04o}",
+              file=sys.stderr, flush=True)
     from lmcache.cli.main import main as lmcache_main
 
     lmcache_main(lmcache_args)

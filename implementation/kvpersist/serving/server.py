@@ -62,11 +62,11 @@ class ServerError(RuntimeError):
     """Starting, stopping or reaching the server failed; the message says what to do."""
 
 
-#: ``lmcache`` run by this interpreter: the server imports the kvpersist adapter from the same
-#: environment as the tool that starts it (its ``lmcache`` console script could belong to another).
-LMCACHE_ENTRY = ("-c", "import sys; from lmcache.cli.main import main; sys.exit(main())")
-#: The same, with both endpoints on Unix-domain sockets.
-UNIX_ENTRY = ("-m", "kvpersist.serving.lmcache_entry")
+#: ``lmcache`` run by this interpreter under kvpersist's policy (lossless serdes only; the
+#: endpoints on Unix-domain sockets unless KVP_ACCESS=tcp): the server imports the kvpersist
+#: adapter from the same environment as the tool that starts it (an ``lmcache`` console script
+#: on PATH could belong to another).
+POLICY_ENTRY = ("-m", "kvpersist.serving.lmcache_entry")
 
 
 def lmcache_command() -> list[str]:
@@ -76,27 +76,26 @@ def lmcache_command() -> list[str]:
             f"LMCache is not installed for {sys.executable}; install lmcache==0.5.6 there "
             "(in a checkout: scripts/bootstrap.sh)"
         )
-    return [sys.executable, *LMCACHE_ENTRY]
+    return [sys.executable, *POLICY_ENTRY]
 
 
-def _entry(settings: ServerSettings, executable: str | None) -> list[str]:
-    if not settings.unix_sockets:
-        return [executable] if executable else lmcache_command()
-    python = executable or lmcache_command()[0]
-    group = None if settings.access_group is None else group_id(settings.access_group)
-    return [python, *UNIX_ENTRY,
-            "--request-socket", str(settings.request_socket),
-            "--http-socket", str(settings.http_socket),
-            "--socket-mode", "0660" if group is not None else "0600",
-            *(["--socket-group", str(group)] if group is not None else []),
-            "--"]
+def _entry(settings: ServerSettings, python: str | None) -> list[str]:
+    cmd = [python or lmcache_command()[0], *POLICY_ENTRY]
+    if settings.unix_sockets:
+        group = None if settings.access_group is None else group_id(settings.access_group)
+        cmd += ["--request-socket", str(settings.request_socket),
+                "--http-socket", str(settings.http_socket),
+                "--socket-mode", "0660" if group is not None else "0600",
+                *(["--socket-group", str(group)] if group is not None else [])]
+    return [*cmd, "--"]
 
 
-def server_command(settings: ServerSettings, executable: str | None = None) -> list[str]:
-    """The ``lmcache server`` argv for ``settings`` (pure; no I/O beyond the template file).
-    ``executable``: a Python interpreter for the unix entry, else the ``lmcache`` command."""
+def server_command(settings: ServerSettings, python: str | None = None) -> list[str]:
+    """The server's argv for ``settings``: kvpersist's policy entry point, then LMCache's own
+    ``server`` arguments (pure; no I/O beyond the template file).  ``python``: the interpreter
+    (default: this one, checked to have LMCache)."""
     return [
-        *_entry(settings, executable),
+        *_entry(settings, python),
         "server",
         "--host", settings.bind_host,
         "--port", str(settings.zmq_port),
