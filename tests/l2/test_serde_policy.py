@@ -46,7 +46,7 @@ def test_lossy_serde_refused_in_the_resolved_config(tmp_path: Path, serde: dict[
 
 
 def test_bad_serde_setting_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match="KVP_L2_SERDE=.* is not JSON"):
+    with pytest.raises(SettingsError, match=r"KVP_L2_SERDE=.* is not JSON"):
         load_settings(server_env(tmp_path, KVP_L2_SERDE="fp8"))
 
 

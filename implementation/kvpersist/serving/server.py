@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..config.adapters import l2_adapter_config
 from ..config.environment import process_env
@@ -265,6 +265,29 @@ def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = No
         f"the LMCache server did not become healthy within {settings.start_timeout_s:.0f}s "
         f"(KVP_START_TIMEOUT_S); log {settings.log_file}:\n{_log_tail(settings.log_file)}"
     )
+
+
+def exec_server(settings: ServerSettings, *, env: Mapping[str, str] | None = None) -> NoReturn:
+    """Become the server, in the foreground (``kvp-server run``, for systemd's ``Type=simple``).
+
+    The same checks as :func:`start_server`; the pid file names this process, which keeps its pid
+    and start time across the ``exec``, so ``kvp-server status/stop`` and ``kvp-admin`` see it as
+    usual.  Output goes to this process's stdout/stderr (the journal under systemd)."""
+    previous = check_preconditions(settings)
+    if previous.state in (PidState.DEAD, PidState.REUSED):
+        remove_pid_file(settings.pid_file, previous.record)
+    cmd = server_command(settings)
+    me = os.getpid()
+    record = PidRecord(me, process_start_ticks(me) or 0, "lmcache server", settings.zmq_port,
+                       settings.http_port)
+    write_pid_file(settings.pid_file, record)
+    os.umask(0o077)
+    try:
+        os.chdir(settings.cache_root)
+        os.execve(cmd[0], cmd, server_environment(env))
+    except OSError as exc:
+        remove_pid_file(settings.pid_file, record)
+        raise ServerError(f"cannot run {cmd[0]}: {exc.strerror}") from None
 
 
 def _terminate(pid: int, timeout_s: float) -> bool:

@@ -7,9 +7,15 @@ import argparse
 import json
 import sys
 
-from ...config.server import SettingsError, describe_access
+from ...config.server import SettingsError, access_warning, describe_access
 from ...serving.pidfile import PidFileError
-from ...serving.server import ServerError, server_status, start_server, stop_server
+from ...serving.server import (
+    ServerError,
+    exec_server,
+    server_status,
+    start_server,
+    stop_server,
+)
 from .common import EXIT_ERROR, EXIT_OFF, EXIT_OK, Subparsers, add_json, print_json, settings_or_exit, table
 
 
@@ -49,6 +55,13 @@ def cmd_server(args: argparse.Namespace) -> int:
                 print(f"LMCache server started: pid {res.pid}, {describe_access(settings)}; "
                       f"root {settings.cache_root} ({res.seconds:.1f}s)")
             return EXIT_OK
+        if args.action == "run":
+            warning = access_warning(settings)
+            if warning:
+                print(warning, file=sys.stderr)
+            print(f"kvp-server run: {describe_access(settings)}; root {settings.cache_root}",
+                  file=sys.stderr, flush=True)
+            exec_server(settings)
         if args.action == "stop":
             stopped = stop_server(settings)
             if args.json:
@@ -75,11 +88,13 @@ def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "server",
         help="start, stop or inspect the LMCache MP server for KVP_CACHE_ROOT",
-        description="start: validate settings, check ports and root, spawn `lmcache server` in "
-        "the background with telemetry off, write KVP_CACHE_ROOT/lmcache-server.pid and wait for "
-        "/healthcheck. stop: SIGTERM the recorded process (only if pid and start time match) "
-        "and wait; SIGKILL after KVP_STOP_TIMEOUT_S.",
+        description="start: validate settings, check the root, runtime directory (or ports) and "
+        "their modes, spawn the LMCache server in the background with telemetry off, write "
+        "KVP_CACHE_ROOT/lmcache-server.pid and wait for /healthcheck. run: the same checks, then "
+        "become the server in the foreground (systemd Type=simple; output to stdout). stop: "
+        "SIGTERM the recorded process (only if pid and start time match) and wait; SIGKILL "
+        "after KVP_STOP_TIMEOUT_S.",
     )
-    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("action", choices=("start", "run", "stop", "status"))
     add_json(p)
     p.set_defaults(func=cmd_server)
