@@ -214,6 +214,27 @@ def test_preflight(root: Path, capsys: pytest.CaptureFixture[str],
     assert code == 1 and "exceeds what the device" in out and "Lower KVP_CACHE_BUDGET_GB" in out
 
 
+def test_preflight_reports_the_access_mode(root: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    def checks() -> dict[str, dict[str, str]]:
+        _, out, _ = run(capsys, "preflight", "--test", "--json")
+        return {c["name"]: c for c in json.loads(out)["checks"]}
+
+    found = checks()
+    assert found["access"]["level"] == "ok" and "unix sockets" in found["access"]["message"]
+    assert found["runtime dir"]["level"] == "ok"
+    monkeypatch.setenv("KVP_ACCESS", "tcp")
+    monkeypatch.setenv("KVP_ZMQ_PORT", str(free_port()))
+    found = checks()
+    assert found["access"]["level"] == "warn"
+    assert "without access control" in found["access"]["message"]
+    assert "port KVP_ZMQ_PORT" in found and "runtime dir" not in found
+    monkeypatch.delenv("KVP_ACCESS")
+    root.chmod(0o755)
+    found = checks()
+    assert found["cache root"]["level"] == "error" and "chmod 0700" in found["cache root"]["message"]
+
+
 def test_filesystem_detection(tmp_path: Path) -> None:
     mounts = tmp_path / "mounts"
     mounts.write_text(

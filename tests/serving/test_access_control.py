@@ -64,7 +64,9 @@ def public_base() -> Iterator[Path]:
     base = Path(tempfile.mkdtemp(prefix="kvp-acl-", dir="/tmp"))
     base.chmod(0o755)
     shutil.copy(foreign_client.__file__, base / "foreign_client.py")
-    (base / "foreign_client.py").chmod(0o644)
+    shutil.copy(http.__file__, base / "kvp_http.py")  # kvpersist's client: standard library only
+    for name in ("foreign_client.py", "kvp_http.py"):
+        (base / name).chmod(0o644)
     yield base
     shutil.rmtree(base, ignore_errors=True)
 
@@ -118,6 +120,15 @@ def test_other_account_is_refused_everything(public_base: Path) -> None:
                                 as_nobody=True, keys=keys)
             for op, result in attack.items():
                 assert "denied" in result and "Permission denied" in result["denied"], (op, result)
+
+            # kvpersist's own HTTP client (what the connector's gate uses) says why, at once
+            said = subprocess.run(
+                ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                 SYSTEM_PYTHON, "-c", "import sys, kvp_http\n"
+                 "try:\n    kvp_http.get(sys.argv[1] + '/healthcheck', timeout=5)\n"
+                 "except kvp_http.AccessDenied as exc:\n    print(exc)\n", settings.http_url],
+                capture_output=True, text=True, timeout=60, cwd=public_base)
+            assert "this account may not use the cache server" in said.stdout, said
 
             assert tree_digest(settings.cache_root) == before, "the other account changed files"
             clear_l1(settings)  # the owner's restore must come from L2

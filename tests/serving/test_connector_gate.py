@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +137,19 @@ def test_a_closed_worker_closes_its_scheduler(tiny_model: Path, settings: Server
     assert not conn.caching
     assert "server down at start" in str(conn.disabled_reason)
     assert conn.get_num_new_matched_tokens(object(), 0) == (0, False)
+
+
+def test_gate_names_a_refused_account(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit: the refusal of the admin socket becomes the gate's reason (the refusal itself is
+    shown with a real second account in test_access_control.py)."""
+    from kvpersist.serving import gate, http
+
+    def refuse(url: str, *, timeout: float) -> http.Response:
+        raise http.AccessDenied("permission denied on /run/kvpersist/http.sock: this account "
+                                "may not use the cache server")
+
+    monkeypatch.setattr(http, "get", refuse)
+    options = ConnectorOptions(http_url="http+unix://%2Frun%2Fkvpersist%2Fhttp.sock")
+    answer = gate.server_answers(options)
+    assert isinstance(answer, str) and "may not use the cache server" in answer
+    assert f"uid {os.geteuid()}" in answer
