@@ -153,3 +153,19 @@ def test_gate_names_a_refused_account(monkeypatch: pytest.MonkeyPatch) -> None:
     answer = gate.server_answers(options)
     assert isinstance(answer, str) and "may not use the cache server" in answer
     assert f"uid {os.geteuid()}" in answer
+
+
+def test_bypass_resolves_the_identity_and_skips_the_server(tiny_model: Path) -> None:
+    cfg = engine_config(tiny_model, TINY_PINS)
+
+    def no_server(options: ConnectorOptions) -> bool:
+        raise AssertionError("a bypassed engine contacted the server")
+
+    decision = decide(cfg, environ={"KVP_CACHE_BYPASS": "1"}, probe=no_server)
+    assert decision.bypass and decision.identity is not None
+    assert decision.identity.namespace.startswith("kvp-")
+    bad = decide(cfg, environ={"KVP_CACHE_BYPASS": "maybe"}, probe=no_server)
+    assert not bad.enabled and not bad.bypass and "KVP_CACHE_BYPASS" in (bad.reason or "")
+    wrong = decide(engine_config(tiny_model, TINY_PINS, dtype="bfloat16"),
+                   environ={"KVP_CACHE_BYPASS": "1"}, probe=no_server)
+    assert not wrong.bypass and "kv_cache_dtype" in (wrong.reason or "")

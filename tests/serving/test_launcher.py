@@ -35,6 +35,17 @@ def test_persistence_adds_the_connector_and_nothing_else(tmp_path: Path) -> None
     assert cmd.count(PROMPT_DETAILS_FLAG) == 1
 
 
+def test_bypass_reaches_the_connector_config(tmp_path: Path) -> None:
+    settings = load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path)})
+    launcher = load_launcher_settings({"KVP_IDENTITY_PINS": str(TINY_PINS), "KVP_CACHE_BYPASS": "1"})
+    cmd = vllm_command("/models/m", RECIPE, launcher=launcher, settings=settings)
+    extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["kvpersist.cache_bypass"] is True
+    plain = load_launcher_settings({"KVP_IDENTITY_PINS": str(TINY_PINS)})
+    cmd = vllm_command("/models/m", RECIPE, launcher=plain, settings=settings)
+    assert "kvpersist.cache_bypass" not in cmd[cmd.index("--kv-transfer-config") + 1]
+
+
 def test_kv_persist_0_runs_the_recipe_untouched() -> None:
     launcher = load_launcher_settings({"KV_PERSIST": "0", "KVP_VLLM_EXEC": "docker exec c1"})
     cmd = vllm_command("m", RECIPE, launcher=launcher, settings=None)

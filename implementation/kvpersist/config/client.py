@@ -33,6 +33,7 @@ HTTP_URL_KEY = "kvpersist.http_url"
 CACHE_ROOT_KEY = "kvpersist.cache_root"
 LOOKUP_TIMEOUT_KEY = "kvpersist.lookup_timeout_s"
 LOOKUP_MAX_KEY = "kvpersist.lookup_max_s"
+BYPASS_KEY = "kvpersist.cache_bypass"
 
 DEFAULT_LOOKUP_TIMEOUT_S = 5.0  # the longest a lookup may go without progress
 DEFAULT_LOOKUP_MAX_S = 600.0  # the longest a lookup may take, progressing or not
@@ -47,6 +48,7 @@ _OPTION_ENV: dict[str, str] = {
     CACHE_ROOT_KEY: "KVP_CACHE_ROOT",
     LOOKUP_TIMEOUT_KEY: "KVP_LOOKUP_TIMEOUT_S",
     LOOKUP_MAX_KEY: "KVP_LOOKUP_MAX_S",
+    BYPASS_KEY: "KVP_CACHE_BYPASS",
 }
 KNOWN_OPTIONS = tuple(_OPTION_ENV)
 
@@ -70,6 +72,9 @@ class ConnectorOptions:
     cache_root: str | None = None
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
     lookup_max_s: float = DEFAULT_LOOKUP_MAX_S
+    #: ``KVP_CACHE_BYPASS``: the connector stays loaded and resolves and records the identity,
+    #: but never looks up or stores (an A/B switch without changing the recipe).
+    bypass: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None,
@@ -89,6 +94,7 @@ class ConnectorOptions:
             texts[key] = value
         label, timeout = _raw(extra, env, LOOKUP_TIMEOUT_KEY)
         max_label, ceiling = _raw(extra, env, LOOKUP_MAX_KEY)
+        bypass_label, bypass = _raw(extra, env, BYPASS_KEY)
         options = cls(
             pins=texts[PINS_KEY], chat_template_file=texts[CHAT_TEMPLATE_KEY],
             http_url=texts[HTTP_URL_KEY], cache_root=texts[CACHE_ROOT_KEY],
@@ -96,6 +102,7 @@ class ConnectorOptions:
                               else values.positive_float(label, timeout)),
             lookup_max_s=(DEFAULT_LOOKUP_MAX_S if ceiling is None
                           else values.positive_float(max_label, ceiling)),
+            bypass=False if bypass is None else values.boolean(bypass_label, bypass),
         )
         if options.lookup_max_s < options.lookup_timeout_s:
             raise SettingsError(f"{max_label}={options.lookup_max_s:g} is below the lookup "
@@ -116,6 +123,7 @@ class LauncherSettings:
     heartbeat_s: float
     mq_timeout_s: float
     transfer_mode: str | None  # None: chosen from the machine (see serving.launcher)
+    bypass: bool = False  # KVP_CACHE_BYPASS
 
 
 def load_launcher_settings(environ: Mapping[str, str] | None = None) -> LauncherSettings:
@@ -140,4 +148,5 @@ def load_launcher_settings(environ: Mapping[str, str] | None = None) -> Launcher
         mq_timeout_s=seconds("KVP_MQ_TIMEOUT_S", DEFAULT_MQ_TIMEOUT_S),
         transfer_mode=None if mode is None else values.choice("KVP_MP_TRANSFER_MODE", mode,
                                                               TRANSFER_MODES),
+        bypass=values.boolean("KVP_CACHE_BYPASS", get("KVP_CACHE_BYPASS") or "0"),
     )

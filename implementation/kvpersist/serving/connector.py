@@ -17,6 +17,8 @@ Invariants
   pins, in every process that builds a connector (scheduler and each worker), the same way.
 * With a complete, agreeing identity, LMCache sees ``<model id>/<namespace>`` as the model
   name, so every object key, and every L2 file name, carries the namespace.
+* With ``KVP_CACHE_BYPASS`` on and a valid identity, the identity is recorded and logged, and
+  the connector holds a :class:`DisabledKvConnector`.
 * Otherwise, and also when a ``kvpersist.*`` setting is malformed, the connector holds a
   :class:`DisabledKvConnector`: it never contacts the LMCache server, reports no external hits,
   stores nothing, and logs the reason.  vLLM keeps serving.
@@ -226,7 +228,9 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                  ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         decision = decide(vllm_config)
-        if decision.enabled and decision.identity is not None and decision.options is not None:
+        if decision.bypass and decision.identity is not None and decision.options is not None:
+            self._bypass(vllm_config, role, kv_cache_config, decision.identity, decision.options)
+        elif decision.enabled and decision.identity is not None and decision.options is not None:
             try:
                 self.inner = NamespacedLMCacheConnector(
                     vllm_config, role, kv_cache_config, identity=decision.identity,
@@ -244,6 +248,18 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     logger.warning("kvpersist: %s", recorded)
         else:
             self._close(vllm_config, role, kv_cache_config, decision.reason or "gate closed")
+
+    def _bypass(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
+                identity: CacheIdentity, options: ConnectorOptions) -> None:
+        reason = (f"KVP_CACHE_BYPASS is on: namespace {identity.namespace} resolved, but no "
+                  "lookup and no store")
+        logger.warning("kvpersist: %s (role %s); vLLM serves without the KV cache tier",
+                       reason, role.name)
+        if role is KVConnectorRole.SCHEDULER:
+            recorded = record_identity(options, identity)
+            if isinstance(recorded, str):
+                logger.warning("kvpersist: %s", recorded)
+        self.inner = DisabledKvConnector(vllm_config, role, kv_cache_config, reason=reason)
 
     def _close(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
                reason: str) -> None:

@@ -2,6 +2,9 @@
 
 Invariants
 ----------
+* ``KVP_CACHE_BYPASS`` (``kvpersist.cache_bypass``) is decided after the identity: a bypassed
+  engine still resolves (and records) its identity, so a bypass never hides an identity
+  problem, but the server is not contacted.
 * Fail closed: caching is on only if the connector options parse, the identity derived from the
   running engine is complete and agrees with the pins, and the LMCache server answers; any
   other outcome is a :class:`GateDecision` that is off and whose ``reason`` names the setting,
@@ -37,6 +40,7 @@ class GateDecision:
     identity: CacheIdentity | None
     options: ConnectorOptions | None
     reason: str | None
+    bypass: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -93,6 +97,8 @@ def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
     resolution = resolve_engine_identity(vllm_config, options)
     if not resolution.enabled or resolution.identity is None:
         return GateDecision.off(resolution.summary(), options)
+    if options.bypass:
+        return GateDecision(resolution.identity, options, None, bypass=True)
     answer = probe(options)
     if isinstance(answer, str):
         return GateDecision.off(answer, options)

@@ -76,6 +76,8 @@ def kv_transfer_config(
         "kvpersist.lookup_timeout_s": run.lookup_timeout_s,
         "kvpersist.lookup_max_s": run.lookup_max_s,
     }
+    if run.bypass:
+        extra_config["kvpersist.cache_bypass"] = True
     if chat_template_file:
         extra_config["kvpersist.chat_template_file"] = str(Path(chat_template_file).absolute())
     if extra:
@@ -127,7 +129,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Run vLLM's OpenAI server with the kvpersist KV connector. The recipe's vLLM "
         "arguments pass through unchanged; --kv-transfer-config is added. Environment: "
         "KV_PERSIST=1 (default; 0 runs the recipe without the connector), KVP_IDENTITY_PINS "
-        "(configs/<model>/identity.env), KVP_BIND_HOST/KVP_ZMQ_PORT/KVP_HTTP_PORT (the server), "
+        "(configs/<model>/identity.env), KVP_CACHE_ROOT/KVP_RUNTIME_DIR (the server's sockets; "
+        "KVP_ACCESS=tcp: KVP_BIND_HOST/KVP_ZMQ_PORT/KVP_HTTP_PORT), KVP_CACHE_BYPASS=1 (keep the "
+        "connector and its identity, never look up or store), "
         "KVP_LOOKUP_TIMEOUT_S, KVP_LOOKUP_MAX_S, KVP_HEARTBEAT_S, KVP_MQ_TIMEOUT_S, KVP_MP_TRANSFER_MODE, "
         "KVP_PYTHON (the Python with vLLM), KVP_VLLM_EXEC (a prefix such as "
         "'docker exec <container>').",
