@@ -102,3 +102,111 @@ def test_console_entry_point_help() -> None:
     res = subprocess.run([sys.executable, "-m", "kvpersist.admin.cli", "--help"], capture_output=True,
                          text=True, timeout=60, check=True)
     assert "identity" in res.stdout and "status" in res.stdout and "server" in res.stdout
+
+
+RECIPE = "--dtype float32 --max-model-len 2048 --block-size 128 -tp 1 -pp 1"
+
+
+def _pins_values(path: Path) -> dict[str, object]:
+    return dict(load_pins(path))
+
+
+def test_write_pins_from_folder_and_recipe_matches_the_shipped_pins(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tiny_folder(tmp_path)
+    target = tmp_path / "identity.env"
+    code, out, err = run(capsys, "identity", "--vllm-args", f"{folder} {RECIPE}",
+                         "--write-pins", str(target))
+    assert code == 0, err
+    assert _pins_values(target) == _pins_values(TINY_PINS)  # every field, build left out
+    text = target.read_text()
+    assert "# KVP_BUILD is left to the engine" in text and "\nKVP_BUILD=" not in text
+    assert text.count("\n# ") >= 14  # each field carries its explanation
+    namespace = out.split("namespace ")[1].strip()
+    code, out, _ = run(capsys, "identity", "--pins", str(target), "--model-folder", str(folder),
+                       "--json")
+    assert code == 0 and json.loads(out)["namespace"] == namespace
+    # the same again: unchanged; another recipe: refused without --force, then replaced
+    code, out, _ = run(capsys, "identity", "--vllm-args", f"{folder} {RECIPE}",
+                       "--write-pins", str(target))
+    assert code == 0 and out.startswith("unchanged")
+    before = target.read_text()
+    other = RECIPE.replace("2048", "1024")
+    code, _, err = run(capsys, "identity", "--vllm-args", f"{folder} {other}",
+                       "--write-pins", str(target))
+    assert code == 1 and "--force" in err and target.read_text() == before
+    code, out, _ = run(capsys, "identity", "--vllm-args", f"{folder} {other}",
+                       "--write-pins", str(target), "--force")
+    assert code == 0 and out.startswith("replaced")
+    assert str(_pins_values(target)["max_model_len"]) == "1024"
+
+
+def test_missing_flag_still_shows_every_resolved_value(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tiny_folder(tmp_path)
+    code, out, _ = run(capsys, "identity", "--model-folder", str(folder), "--block-size", "128",
+                       "--tensor-parallel-size", "1", "--max-model-len", "2048")
+    assert code == 3
+    assert "MISSING (KVP_PP_SIZE)" in out and "'pipeline_parallel_size'" in out
+    assert REVISION in out and "float32" in out and "?" not in out
+    code, out, _ = run(capsys, "identity", "--model-folder", str(folder), "--block-size", "128",
+                       "--json")
+    data = json.loads(out)
+    assert set(data["missing"]) == {"tensor_parallel_size", "pipeline_parallel_size"}
+    assert data["resolved"]["model_revision"] == REVISION and data["namespace"] is None
+    target = tmp_path / "incomplete.env"
+    code, _, err = run(capsys, "identity", "--model-folder", str(folder), "--write-pins",
+                       str(target))
+    assert code == 1 and "nothing written" in err and "KVP_TP_SIZE" in err
+    assert not target.exists()
+
+
+def test_vllm_args_are_read_like_the_launcher_passes_them(tmp_path: Path) -> None:
+    from kvpersist.admin.pins_writer import identity_flags
+
+    flags = identity_flags("/models/m --block-size=16 -tp 4 --pipeline-parallel-size 2 "
+                           "--max-model-len 32768 --dtype bfloat16 --chat-template 't m.jinja' "
+                           "--gpu-memory-utilization 0.85 --enable-prefix-caching")
+    assert (flags.model, flags.block_size, flags.tensor_parallel_size,
+            flags.pipeline_parallel_size, flags.max_model_len, flags.dtype,
+            flags.chat_template) == ("/models/m", 16, 4, 2, 32768, "bfloat16", "t m.jinja")
+    from kvpersist.admin.pins_writer import PinsError
+
+    with pytest.raises(PinsError, match="--block-size"):
+        identity_flags("--block-size sixteen")
+
+
+def test_chat_template_from_the_recipe_enters_the_identity(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpersist.identity.sources import chat_template_digest
+
+    folder = tiny_folder(tmp_path)
+    template = tmp_path / "custom.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    code, out, _ = run(capsys, "identity", "--vllm-args",
+                       f"{folder} {RECIPE} --chat-template {template}", "--json")
+    assert code == 0
+    assert json.loads(out)["fields"]["chat_template_sha256"] == chat_template_digest(
+        template.read_text())
+
+
+@pytest.mark.parametrize("breakage", ["missing folder", "no tokenizer", "bad template"])
+def test_write_pins_refuses_bad_input_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], breakage: str) -> None:
+    folder = tiny_folder(tmp_path)
+    extra = ""
+    if breakage == "missing folder":
+        folder = tmp_path / "nowhere"
+    elif breakage == "no tokenizer":
+        (folder / "tokenizer_config.json").unlink()
+    else:
+        broken = tmp_path / "broken.jinja"
+        broken.write_text("{% for m in messages %}{{ m['content'] }")
+        extra = f" --chat-template {broken}"
+    target = tmp_path / "identity.env"
+    code, _, err = run(capsys, "identity", "--vllm-args", f"{RECIPE}{extra}",
+                       "--model-folder", str(folder), "--write-pins", str(target))
+    assert code == 1 and not target.exists(), err
+    expected = {"missing folder": "cannot read model config", "no tokenizer": "no tokenizer",
+                "bad template": "chat template cannot be rendered"}[breakage]
+    assert expected in err, err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...identity import (
@@ -19,7 +20,21 @@ from ...identity import (
     merge_sources,
 )
 from ...identity.records import list_records, read_record
-from ...identity.sources import CONNECTOR_NAME, build_identity, from_model_folder
+from ...identity.sources import (
+    CONNECTOR_NAME,
+    build_identity,
+    chat_template_digest,
+    from_model_folder,
+)
+from ..pins_writer import (
+    IdentityFlags,
+    PinsError,
+    check_model_folder,
+    identity_flags,
+    overrides,
+    render_pins,
+    write_pins,
+)
 from ..report import active_namespaces_from_server
 from .common import (
     EXIT_ERROR,
@@ -34,26 +49,110 @@ from .common import (
 )
 
 
-def resolve_cli_identity(args: argparse.Namespace) -> tuple[IdentityResolution, dict[str, object]]:
-    """Pins (``--pins``) checked against what the model folder and flags say."""
+@dataclass(frozen=True)
+class CliResolution:
+    resolution: IdentityResolution
+    pins: dict[str, object]
+    live: dict[str, object]
+    model_folder: Path | None
+    chat_template_text: str | None
+
+
+def _kv_cache_dtype(args: argparse.Namespace, flags: IdentityFlags) -> str:
+    """vLLM's rule: ``--kv-cache-dtype auto`` is the model dtype (``--dtype``, else the
+    weights' dtype from config.json)."""
+    if args.kv_cache_dtype not in (None, "auto"):
+        return str(args.kv_cache_dtype)
+    if flags.kv_cache_dtype not in (None, "auto"):
+        return str(flags.kv_cache_dtype)
+    if flags.dtype not in (None, "auto"):
+        return str(flags.dtype)
+    return "auto"
+
+
+def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
+    """Pins (``--pins``) checked against what the model folder, the recipe's vLLM arguments
+    (``--vllm-args``), the explicit flags and ``--set`` say (later ones win)."""
     pins: dict[str, object] = dict(load_pins(args.pins)) if args.pins else {}
+    flags = identity_flags(args.vllm_args) if args.vllm_args else IdentityFlags()
+    folder = args.model_folder or (flags.model if flags.model and Path(flags.model).is_dir()
+                                   else None)
     live: dict[str, object] = {}
-    if args.model_folder:
-        live.update(from_model_folder(args.model_folder, kv_cache_dtype=args.kv_cache_dtype))
-    for name, value in (
-        ("block_size", args.block_size),
-        ("tensor_parallel_size", args.tensor_parallel_size),
-        ("pipeline_parallel_size", args.pipeline_parallel_size),
-        ("max_model_len", args.max_model_len),
-    ):
-        if value is not None:
-            live[name] = value
-    if args.model_folder or args.with_build:
+    if folder:
+        live.update(from_model_folder(folder, kv_cache_dtype=_kv_cache_dtype(args, flags)))
+    template_text = None
+    if flags.chat_template:
+        try:
+            template_text = Path(flags.chat_template).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PinsError(f"cannot read --chat-template {flags.chat_template}: "
+                            f"{exc.strerror}") from None
+        live["chat_template_sha256"] = chat_template_digest(template_text)
+    for name in ("block_size", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len"):
+        for value in (getattr(flags, name), getattr(args, name)):
+            if value is not None:
+                live[name] = value
+    live.update(overrides(args.set or []))
+    if folder or args.with_build:
         live["connector"] = CONNECTOR_NAME
         build = build_identity()
         if build is not None:
             live["build"] = build
-    return merge_sources(pins, live, live_label="resolved"), pins
+    return CliResolution(merge_sources(pins, live, live_label="resolved"), pins, live,
+                         Path(folder) if folder else None, template_text)
+
+
+def _field_rows(found: CliResolution) -> list[tuple[str, object, str]]:
+    """Every field with the value resolved for it, even when the identity is incomplete."""
+    ident = found.resolution.identity
+    rows = []
+    for spec in FIELDS:
+        if ident is not None:
+            rows.append((spec.name, getattr(ident, spec.name),
+                         found.resolution.sources.get(spec.name, "-")))
+            continue
+        pin, live = found.pins.get(spec.name), found.live.get(spec.name)
+        if pin is None and live is None:
+            rows.append((spec.name, f"MISSING ({spec.env})", "-"))
+        elif pin is not None and live is not None and str(pin) != str(live):
+            rows.append((spec.name, f"pin {pin} / resolved {live}", "conflict?"))
+        else:
+            rows.append((spec.name, pin if pin is not None else live,
+                         "pin" if live is None else "resolved" if pin is None else "both"))
+    return rows
+
+
+def cmd_write_pins(args: argparse.Namespace, found: CliResolution) -> int:
+    ident = found.resolution.identity
+    target = Path(args.write_pins)
+    if found.model_folder is None:
+        print("kvp-admin identity --write-pins: give --model-folder (or a model folder as the "
+              "first of --vllm-args); nothing written", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        check_model_folder(found.model_folder, chat_template=found.chat_template_text)
+    except PinsError as exc:
+        print(f"kvp-admin identity --write-pins: {exc}; nothing written", file=sys.stderr)
+        return EXIT_ERROR
+    if ident is None:
+        print(table(_field_rows(found), ("field", "value", "source")), file=sys.stderr)
+        print(f"\nkvp-admin identity --write-pins: the identity is incomplete, nothing written: "
+              f"{'; '.join(found.resolution.problems)}. Add the engine flags (--vllm-args "
+              "\"<the recipe's vLLM arguments>\", or --block-size ...) or --set FIELD=VALUE",
+              file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        outcome = write_pins(target, render_pins(ident, origin=str(found.model_folder)),
+                             force=args.force)
+    except (PinsError, OSError) as exc:
+        print(f"kvp-admin identity --write-pins: {exc}; nothing written", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print_json({"pins": str(target), "outcome": outcome, "namespace": ident.namespace,
+                    "fields": ident.as_dict()})
+    else:
+        print(f"{outcome} {target}: namespace {ident.namespace}")
+    return EXIT_OK
 
 
 def cmd_identity(args: argparse.Namespace) -> int:
@@ -70,10 +169,13 @@ def cmd_identity(args: argparse.Namespace) -> int:
     if args.namespace:
         return cmd_identity_recorded(args)
     try:
-        resolution, pins = resolve_cli_identity(args)
+        found = resolve_cli_identity(args)
     except (IdentityError, ValueError) as exc:
         print(f"kvp-admin identity: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    if args.write_pins:
+        return cmd_write_pins(args, found)
+    resolution = found.resolution
     ident = resolution.identity
     if args.json:
         print_json({
@@ -81,16 +183,14 @@ def cmd_identity(args: argparse.Namespace) -> int:
             "namespace": ident.namespace if ident else None,
             "lmcache_model_name": ident.lmcache_model_name() if ident else None,
             "fields": ident.as_dict() if ident else None,
+            "resolved": {row[0]: row[1] for row in _field_rows(found)},
+            "missing": [s.name for s in FIELDS
+                        if s.name not in found.pins and s.name not in found.live],
             "sources": resolution.sources,
             "problems": resolution.problems,
         })
     else:
-        rows = [
-            (s.name, getattr(ident, s.name) if ident else pins.get(s.name, "?"),
-             resolution.sources.get(s.name, "-"))
-            for s in FIELDS
-        ]
-        print(table(rows, ("field", "value", "source")))
+        print(table(_field_rows(found), ("field", "value", "source")))
         print()
         print(resolution.summary())
         if ident:
@@ -189,7 +289,11 @@ def register(sub: Subparsers) -> None:
         "configurations from sharing KV: the answer to 'why no hits?'. Examples: kvp-admin "
         "identity diff configs/a/identity.env configs/b/identity.env; kvp-admin identity diff "
         "kvp-<old namespace from report> configs/a/identity.env. --namespace NS prints what a "
-        "namespace on disk stands for; --server the namespaces of the running server's engines.",
+        "namespace on disk stands for; --server the namespaces of the running server's engines. "
+        "Writing the pins for a new model: kvp-admin identity --vllm-args \"<the recipe's vLLM "
+        "arguments, model folder first>\" --write-pins configs/<model>/identity.env (the same "
+        "arguments the launcher gets, so pins and engine agree); a field no source has is "
+        "named, and given with --set FIELD=VALUE.",
     )
     p.add_argument("words", nargs="*", metavar="diff A B",
                    help="compare two configurations (the same as --diff A B)")
@@ -201,6 +305,17 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--tensor-parallel-size", type=int, help="vLLM -tp")
     p.add_argument("--pipeline-parallel-size", type=int, help="vLLM -pp")
     p.add_argument("--max-model-len", type=int, help="vLLM --max-model-len")
+    p.add_argument("--vllm-args", metavar="ARGS",
+                   help="the recipe's vLLM arguments as one string (what kvp-vllm gets): block "
+                   "size, -tp, -pp, --max-model-len, --dtype, --kv-cache-dtype and --chat-template "
+                   "are read from it, and a leading model folder too")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="give a field no source has, e.g. --set KVP_MODEL_ID=org/name for a "
+                   "folder outside the HF cache layout (repeatable)")
+    p.add_argument("--write-pins", metavar="FILE",
+                   help="write a complete, commented identity.env from the resolved identity "
+                   "(needs a model folder; refuses to replace a different FILE without --force)")
+    p.add_argument("--force", action="store_true", help="with --write-pins: replace FILE")
     p.add_argument("--with-build", action="store_true",
                    help="add the installed LMCache/vLLM build identity even without a model folder")
     p.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two configurations")
