@@ -69,6 +69,13 @@ def test_cache_service_down_and_process_crashes(tiny_model: Path, tmp_path: Path
         assert max(latencies) < LOOKUP_DEADLINE_S + 2.0 + base.seconds, (latencies, base.seconds)
         assert vllm.healthy()
         print(f"\nlatencies while the server was down: {[round(x, 2) for x in latencies]}")
+        # vLLM's /metrics counts the abandoned lookups by reason (the dashboard's panel)
+        deadline = time.monotonic() + 15
+        while metric_sum(vllm.metrics(), "vllm:kvpersist_lookup_bypasses_total") < 2:
+            assert time.monotonic() < deadline, "no bypass counted in vLLM's /metrics"
+            time.sleep(0.5)
+        assert metric_sum(vllm.metrics(), "vllm:kvpersist_lookup_bypasses_total",
+                          reason="server_down") >= 1
 
         # 2. The server comes back: caching resumes without restarting vLLM.
         start_server(settings)

@@ -40,6 +40,7 @@ from lmcache.v1.platform import create_event_notifier
 from .. import __version__
 from ..config import values
 from ..config.values import SettingsError
+from . import metrics
 from .layout import KeyFields
 from .store import KvFileStore
 
@@ -151,6 +152,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._files = ThreadPoolExecutor(max_workers=config.file_threads,
                                          thread_name_prefix="kvpersist-l2-file")
         self._store.open(background_scan=True)
+        metrics.bind(self._store.status)
         logger.info("kvpersist L2 adapter on %s: capacity %.3f GiB, sharded=%s",
                     config.path, config.max_capacity_gb, config.sharded)
 
@@ -311,6 +313,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return self._store
 
     def close(self) -> None:
+        metrics.bind(None)
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._files.shutdown(wait=True, cancel_futures=False)
         self._store.close()

@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..config.client import ConnectorOptions
 from ..identity import CacheIdentity
+from .connector_metrics import KvPersistConnectorStats, KvPersistPromMetrics
 from .gate import decide, record_identity
 from .lookup_deadline import LookupDeadline, ServerProgressProbe
 
@@ -153,6 +154,8 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
                                                   self._kvp_deadline)
         self.kvp_bypassed_requests = 0
         self.kvp_dropped_stores = 0
+        # LMCache's stats plus kvpersist's bypass counts, in vLLM's /metrics
+        self._connector_stats = KvPersistConnectorStats()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -161,11 +164,12 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         ``kvpersist.lookup_timeout_s``, or after ``kvpersist.lookup_max_s`` in all."""
         rid = request.request_id
         self._kvp_deadline.begin(rid)
-        why = self._kvp_deadline.verdict(rid, healthy=self.scheduler_adapter.is_healthy)
-        if why is not None:
+        verdict = self._kvp_deadline.verdict(rid, healthy=self.scheduler_adapter.is_healthy)
+        if verdict is not None:
+            why = verdict.text
             if self._kvp_probe is not None:
                 why += f"; {self._kvp_probe.describe()}"
-            self._kvp_bypass(request, why)
+            self._kvp_bypass(request, why, verdict.reason)
             return 0, False
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens)
@@ -173,7 +177,7 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
             self._kvp_deadline.end(rid)
         return result
 
-    def _kvp_bypass(self, request: Any, why: str) -> None:
+    def _kvp_bypass(self, request: Any, why: str, reason: str) -> None:
         rid = request.request_id
         self._kvp_deadline.end(rid)
         tracker = self._get_or_create_request_tracker(request)
@@ -183,6 +187,7 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         tracker.num_lmcache_hit_tokens = 0
         tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
         self.kvp_bypassed_requests += 1
+        self._connector_stats.record_bypass(reason)
         logger.warning("kvpersist: request %s bypasses the KV cache (%s); it is recomputed",
                        rid, why)
 
@@ -305,11 +310,13 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
-        return LMCacheMPConnector.build_kv_connector_stats(data)
+        return KvPersistConnectorStats(data=data or {})
 
     @classmethod
-    def build_prom_metrics(cls, *args: Any, **kwargs: Any) -> Any:
-        return LMCacheMPConnector.build_prom_metrics(*args, **kwargs)
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return KvPersistPromMetrics(vllm_config, metric_types, labelnames,
+                                    per_engine_labelvalues)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from . import http
@@ -47,6 +48,18 @@ def progress_token(status: Mapping[str, Any]) -> tuple[float, ...]:
         float(prefetch.get("completed_results_count", 0) or 0),
         float(prefetch.get("load_phase_count", 0) or 0),
     )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """An abandoned lookup: ``reason`` is a metric label (server_down, stalled, too_long),
+    ``text`` the log's words."""
+
+    reason: str
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class LookupDeadline:
@@ -81,7 +94,7 @@ class LookupDeadline:
         with self._lock:
             self._progress_at = self._clock()
 
-    def verdict(self, rid: str, *, healthy: bool) -> str | None:
+    def verdict(self, rid: str, *, healthy: bool) -> Verdict | None:
         """Why ``rid``'s lookup is abandoned now, or None to keep waiting."""
         with self._lock:
             began = self._began.get(rid)
@@ -89,12 +102,13 @@ class LookupDeadline:
                 return None
             now = self._clock()
             if not healthy and now - self._progress_at > self.alive_s:
-                return f"server unhealthy after {now - began:.1f}s"
+                return Verdict("server_down", f"server unhealthy after {now - began:.1f}s")
             if now - began > self.max_s:
-                return f"still loading after {now - began:.1f}s (limit {self.max_s:.0f}s)"
+                return Verdict("too_long", f"still loading after {now - began:.1f}s "
+                                           f"(limit {self.max_s:.0f}s)")
             quiet = now - max(began, self._progress_at)
             if quiet > self.stall_s:
-                return f"no progress for {quiet:.1f}s (server stalled)"
+                return Verdict("stalled", f"no progress for {quiet:.1f}s (server stalled)")
             return None
 
 
