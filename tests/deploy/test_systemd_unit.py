@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from kvpersist.config.server import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "configs" / "systemd" / "kvp-server.service"
+METRICS_UNIT = REPO / "configs" / "systemd" / "kvp-metrics.service"
 DROP_IN = REPO / "configs" / "systemd" / "kvp-server.service.d" / "example.conf"
 INSTALLED_EXEC = "/opt/kvpersist/venv/bin/kvp-server"
 
@@ -60,13 +62,18 @@ def test_drop_in_moves_the_writable_path_with_the_root() -> None:
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                     reason="systemd-analyze is not installed (Debian: apt-get install systemd)")
-def test_systemd_analyze_verify_accepts_unit_and_drop_in(tmp_path: Path) -> None:
-    kvp_server = shutil.which("kvp-server") or str(Path(REPO / ".venv/bin/kvp-server"))
-    assert Path(kvp_server).exists(), kvp_server
-    unit = tmp_path / UNIT.name
-    unit.write_text(UNIT.read_text().replace(INSTALLED_EXEC, kvp_server))
-    (tmp_path / f"{UNIT.name}.d").mkdir()
-    shutil.copy(DROP_IN, tmp_path / f"{UNIT.name}.d" / DROP_IN.name)
+@pytest.mark.parametrize("unit_file", [UNIT, METRICS_UNIT], ids=lambda p: p.name)
+def test_systemd_analyze_verify_accepts_units_and_drop_in(tmp_path: Path, unit_file: Path) -> None:
+    bin_dir = Path(sys.executable).parent
+    unit = tmp_path / unit_file.name
+    text = unit_file.read_text()
+    for tool in ("kvp-server", "kvp-admin"):
+        assert (bin_dir / tool).exists(), bin_dir / tool
+        text = text.replace(f"/opt/kvpersist/venv/bin/{tool}", str(bin_dir / tool))
+    unit.write_text(text)
+    if unit_file == UNIT:
+        (tmp_path / f"{UNIT.name}.d").mkdir()
+        shutil.copy(DROP_IN, tmp_path / f"{UNIT.name}.d" / DROP_IN.name)
     done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                           text=True, timeout=60, cwd=tmp_path,
                           env={"SYSTEMD_UNIT_PATH": f"{tmp_path}:", "PATH": "/usr/bin:/bin"})

@@ -1,4 +1,13 @@
-"""``kvp-admin metrics``: a report as Prometheus text (for ``--textfile`` or ``--serve``)."""
+"""``kvp-admin metrics``: a report as Prometheus text (for ``--textfile`` or ``--serve``), joined
+with the LMCache server's own metrics.
+
+The server's admin API listens on a Unix-domain socket (Security in the README), which
+Prometheus cannot scrape; ``kvp-admin metrics`` relays the server's ``lmcache_mp_*`` and
+``kvpersist_l2_*`` families, read-only, next to its own ``kvpersist_*`` figures.  Only those
+prefixes pass: the server's ``process_*``/``python_*`` families would collide with a
+node_exporter's own in a textfile.  ``kvpersist_server_up`` says whether the relay had a server
+to read.
+"""
 
 from __future__ import annotations
 
@@ -47,6 +56,27 @@ def prometheus_text(report: dict[str, Any]) -> str:
     lines += ["# HELP kvpersist_quarantine_files Files in quarantine.",
               "# TYPE kvpersist_quarantine_files gauge",
               f"kvpersist_quarantine_files {report['classes']['quarantine']['files']}"]
+    return "\n".join(lines) + "\n"
+
+
+#: Families of the server's /metrics that are relayed.
+SERVER_PREFIXES = ("lmcache_mp_", "kvpersist_l2_")
+
+
+def _family(line: str) -> str:
+    if line.startswith("# HELP ") or line.startswith("# TYPE "):
+        return line.split()[2]
+    return line.split("{", 1)[0].split(" ", 1)[0]
+
+
+def relay_server_metrics(text: str | None) -> str:
+    """The relayed part of the server's metrics page, and ``kvpersist_server_up``."""
+    lines = ["# HELP kvpersist_server_up 1 when the LMCache server answered /metrics.",
+             "# TYPE kvpersist_server_up gauge", f"kvpersist_server_up {0 if text is None else 1}"]
+    for line in (text or "").splitlines():
+        if line and (not line.startswith("#") or line.startswith(("# HELP ", "# TYPE "))) \
+                and _family(line).startswith(SERVER_PREFIXES):
+            lines.append(line)
     return "\n".join(lines) + "\n"
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ...config.server import ServerSettings
+from ...serving import http
 from ..budget import BudgetModel, QuotaError, load_quotas
-from ..metrics import prometheus_text, write_textfile
+from ..metrics import prometheus_text, relay_server_metrics, write_textfile
 from ..report import build_report
 from .common import (
     EXIT_ERROR,
@@ -69,9 +70,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_metrics(args: argparse.Namespace) -> int:
+def _metrics_text(args: argparse.Namespace) -> tuple[str, ServerSettings]:
     data, settings = _report_data(args, "metrics")
     text = prometheus_text(data)
+    if not args.no_server:
+        resp = None
+        with contextlib.suppress(http.HttpError):
+            resp = http.get(settings.http_url + "/metrics", timeout=5.0)
+        text += relay_server_metrics(resp.body.decode(errors="replace")
+                                     if resp is not None and resp.ok else None)
+    return text, settings
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    text, settings = _metrics_text(args)
     if args.textfile:
         write_textfile(Path(args.textfile), text)
         return EXIT_OK
@@ -90,7 +102,7 @@ def _serve_metrics(args: argparse.Namespace, settings: ServerSettings) -> int:
                 self.send_error(404)
                 return
             try:
-                body = prometheus_text(_report_data(args, "metrics")[0]).encode()
+                body = _metrics_text(args)[0].encode()
             except SystemExit:  # the reason went to stderr; keep serving
                 self.send_error(500, "kvp-admin metrics failed; see its stderr")
                 return
@@ -120,12 +132,19 @@ def register(sub: Subparsers) -> None:
     p.set_defaults(func=cmd_report)
     p = sub.add_parser(
         "metrics",
-        help="Prometheus text: bytes/files per namespace, classes, budget share",
+        help="Prometheus text: bytes/files per namespace, classes, budget share, and the "
+        "server's own counters",
         description="Print the metrics, write them atomically for node_exporter's textfile "
-        "collector (--textfile), or serve them (--serve PORT, 127.0.0.1 by default).",
+        "collector (--textfile), or serve them (--serve PORT, 127.0.0.1 by default). The "
+        "running server's lmcache_mp_* and kvpersist_l2_* metrics are relayed (its admin API is "
+        "a Unix socket that Prometheus cannot scrape); kvpersist_server_up says whether it "
+        "answered. configs/prometheus/kvpersist.yml is a scrape example; "
+        "configs/grafana/kvpersist.json the dashboard.",
     )
     add_active_args(p)
     p.add_argument("--textfile", help="write to this .prom file atomically")
     p.add_argument("--serve", type=int, metavar="PORT", help="serve /metrics on this port")
     p.add_argument("--bind", default="127.0.0.1", help="address for --serve")
+    p.add_argument("--no-server", action="store_true",
+                   help="leave out the server's relayed metrics (and kvpersist_server_up)")
     p.set_defaults(func=cmd_metrics)
