@@ -85,8 +85,8 @@ def test_a_malformed_setting_closes_the_gate_naming_it(tiny_model: Path, extra: 
 def test_the_gate_opens_with_good_settings_and_a_live_server(tiny_model: Path) -> None:
     cfg = engine_config(tiny_model, TINY_PINS)
     assert decide(cfg, environ={}, probe=lambda options: True).enabled
-    closed = decide(cfg, environ={}, probe=lambda options: False)
-    assert not closed.enabled and "does not answer" in str(closed.reason)
+    later = decide(cfg, environ={}, probe=lambda options: False)  # no server yet: attach later
+    assert later.enabled and later.attach_late
 
 
 def test_a_malformed_setting_gives_a_working_disabled_connector(tiny_model: Path) -> None:
@@ -169,3 +169,15 @@ def test_bypass_resolves_the_identity_and_skips_the_server(tiny_model: Path) -> 
     wrong = decide(engine_config(tiny_model, TINY_PINS, dtype="bfloat16"),
                    environ={"KVP_CACHE_BYPASS": "1"}, probe=no_server)
     assert not wrong.bypass and "kv_cache_dtype" in (wrong.reason or "")
+
+
+def test_no_server_at_start_means_attach_late_when_the_chunk_size_is_known(
+        tiny_model: Path, tmp_path: Path) -> None:
+    settings = load_settings({"KVP_CACHE_ROOT": str(tmp_path / "nowhere")})
+    cfg = engine_config(tiny_model, TINY_PINS, settings)
+    decision = decide(cfg, environ={}, probe=lambda options: False)
+    assert decision.enabled and decision.attach_late and decision.options is not None
+    assert decision.options.chunk_size == settings.chunk_size
+    without = engine_config(tiny_model, TINY_PINS, settings, extra={"kvpersist.chunk_size": None})
+    closed = decide(without, environ={}, probe=lambda options: False)
+    assert not closed.enabled and "restart vLLM after the server" in (closed.reason or "")

@@ -34,6 +34,7 @@ CACHE_ROOT_KEY = "kvpersist.cache_root"
 LOOKUP_TIMEOUT_KEY = "kvpersist.lookup_timeout_s"
 LOOKUP_MAX_KEY = "kvpersist.lookup_max_s"
 BYPASS_KEY = "kvpersist.cache_bypass"
+CHUNK_SIZE_KEY = "kvpersist.chunk_size"
 
 DEFAULT_LOOKUP_TIMEOUT_S = 5.0  # the longest a lookup may go without progress
 DEFAULT_LOOKUP_MAX_S = 600.0  # the longest a lookup may take, progressing or not
@@ -49,6 +50,7 @@ _OPTION_ENV: dict[str, str] = {
     LOOKUP_TIMEOUT_KEY: "KVP_LOOKUP_TIMEOUT_S",
     LOOKUP_MAX_KEY: "KVP_LOOKUP_MAX_S",
     BYPASS_KEY: "KVP_CACHE_BYPASS",
+    CHUNK_SIZE_KEY: "KVP_CHUNK_SIZE",
 }
 KNOWN_OPTIONS = tuple(_OPTION_ENV)
 
@@ -75,6 +77,10 @@ class ConnectorOptions:
     #: ``KVP_CACHE_BYPASS``: the connector stays loaded and resolves and records the identity,
     #: but never looks up or stores (an A/B switch without changing the recipe).
     bypass: bool = False
+    #: The server's chunk size (``KVP_CHUNK_SIZE``): lets an engine started before the server
+    #: attach later (see :mod:`kvpersist.serving.late_attach`); None: the engine must find the
+    #: server at start.
+    chunk_size: int | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None,
@@ -95,6 +101,7 @@ class ConnectorOptions:
         label, timeout = _raw(extra, env, LOOKUP_TIMEOUT_KEY)
         max_label, ceiling = _raw(extra, env, LOOKUP_MAX_KEY)
         bypass_label, bypass = _raw(extra, env, BYPASS_KEY)
+        chunk_label, chunk = _raw(extra, env, CHUNK_SIZE_KEY)
         options = cls(
             pins=texts[PINS_KEY], chat_template_file=texts[CHAT_TEMPLATE_KEY],
             http_url=texts[HTTP_URL_KEY], cache_root=texts[CACHE_ROOT_KEY],
@@ -103,6 +110,7 @@ class ConnectorOptions:
             lookup_max_s=(DEFAULT_LOOKUP_MAX_S if ceiling is None
                           else values.positive_float(max_label, ceiling)),
             bypass=False if bypass is None else values.boolean(bypass_label, bypass),
+            chunk_size=None if chunk is None else values.positive_int(chunk_label, chunk),
         )
         if options.lookup_max_s < options.lookup_timeout_s:
             raise SettingsError(f"{max_label}={options.lookup_max_s:g} is below the lookup "

@@ -27,6 +27,9 @@ Invariants
   the engine collects after the workers registered their KV caches and hands to the scheduler's
   connector before serving starts); a scheduler that learns of a closed worker closes too.  No
   state is kept outside the processes.
+* **An engine started before the cache server attaches by itself** once the server answers and
+  lists the engine's workers as registered (:mod:`kvpersist.serving.late_attach`); until then it
+  serves uncached and promises no hit.
 * **A dead or stalled cache service never stalls serving; a long restore is never abandoned
   while it progresses.**  A lookup (which includes the L2→L1 load) is abandoned, and the request
   recomputed, when the heartbeat says the server is down, after ``kvpersist.lookup_timeout_s``
@@ -59,6 +62,12 @@ from ..config.client import ConnectorOptions
 from ..identity import CacheIdentity
 from .connector_metrics import KvPersistConnectorStats, KvPersistPromMetrics
 from .gate import decide, record_identity
+from .late_attach import (
+    RegistrationWatch,
+    chunk_size_without_server,
+    defer_worker_registration,
+    start_scheduler_unhealthy,
+)
 from .lookup_deadline import LookupDeadline, ServerProgressProbe
 
 if TYPE_CHECKING:
@@ -143,9 +152,16 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
     abandoned only when the server stalls (:mod:`kvpersist.serving.lookup_deadline`)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
-                 *, identity: CacheIdentity, options: ConnectorOptions) -> None:
-        super().__init__(with_model_name(vllm_config, identity.lmcache_model_name()), role,
-                         kv_cache_config)
+                 *, identity: CacheIdentity, options: ConnectorOptions,
+                 attach_late: bool = False) -> None:
+        named = with_model_name(vllm_config, identity.lmcache_model_name())
+        self._kvp_watch: RegistrationWatch | None = None
+        if attach_late:
+            assert options.chunk_size is not None
+            with chunk_size_without_server(options.chunk_size):
+                super().__init__(named, role, kv_cache_config)
+        else:
+            super().__init__(named, role, kv_cache_config)
         self.kvp_identity = identity
         self._kvp_deadline = LookupDeadline(options.lookup_timeout_s, options.lookup_max_s)
         self._kvp_probe: ServerProgressProbe | None = None
@@ -156,13 +172,35 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         self.kvp_dropped_stores = 0
         # LMCache's stats plus kvpersist's bypass counts, in vLLM's /metrics
         self._connector_stats = KvPersistConnectorStats()
+        if attach_late:
+            self._kvp_start_late(vllm_config, role, options)
 
+    def _kvp_start_late(self, vllm_config: Any, role: KVConnectorRole,
+                        options: ConnectorOptions) -> None:
+        """See :mod:`kvpersist.serving.late_attach`."""
+        if role is KVConnectorRole.SCHEDULER:
+            start_scheduler_unhealthy(self.scheduler_adapter)
+            if options.http_url:
+                self._kvp_watch = RegistrationWatch(
+                    options.http_url.rstrip("/") + "/status", self.kvp_identity.namespace,
+                    workers=int(vllm_config.parallel_config.world_size))
+        else:
+            defer_worker_registration(self.worker_adapter)
+        logger.warning("kvpersist: the LMCache server does not answer at start: serving "
+                       "uncached, attaching when it answers (role %s)", role.name)
+
+    @property
+    def kvp_attached(self) -> bool:
+        return self._kvp_watch is None or self._kvp_watch.attached
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """LMCache's lookup, abandoned (the request bypasses the cache and is recomputed) when
         the heartbeat says the server is down, when it makes no progress for
         ``kvpersist.lookup_timeout_s``, or after ``kvpersist.lookup_max_s`` in all."""
         rid = request.request_id
+        if not self.kvp_attached:  # an engine started before the server: computed, no lookup
+            self._kvp_skip(request)
+            return 0, False
         self._kvp_deadline.begin(rid)
         verdict = self._kvp_deadline.verdict(rid, healthy=self.scheduler_adapter.is_healthy)
         if verdict is not None:
@@ -177,15 +215,22 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
             self._kvp_deadline.end(rid)
         return result
 
-    def _kvp_bypass(self, request: Any, why: str, reason: str) -> None:
+    def _kvp_skip(self, request: Any) -> bool:
+        """Mark ``request`` as bypassing LMCache (no load, no store); False if it already was."""
         rid = request.request_id
         self._kvp_deadline.end(rid)
         tracker = self._get_or_create_request_tracker(request)
         if tracker.state == LMCacheMPRequestState.BYPASS_LMCACHE:
-            return
+            return False
         self.scheduler_adapter.cleanup_lookup_result(rid)
         tracker.num_lmcache_hit_tokens = 0
         tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+        return True
+
+    def _kvp_bypass(self, request: Any, why: str, reason: str) -> None:
+        rid = request.request_id
+        if not self._kvp_skip(request):
+            return
         self.kvp_bypassed_requests += 1
         self._connector_stats.record_bypass(reason)
         logger.warning("kvpersist: request %s bypasses the KV cache (%s); it is recomputed",
@@ -209,6 +254,8 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._kvp_probe is not None:
             self._kvp_probe.close()
+        if self._kvp_watch is not None:
+            self._kvp_watch.close()
         super().shutdown()
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -239,12 +286,13 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             try:
                 self.inner = NamespacedLMCacheConnector(
                     vllm_config, role, kv_cache_config, identity=decision.identity,
-                    options=decision.options)
+                    options=decision.options, attach_late=decision.attach_late)
             except Exception as exc:  # LMCache could not start: serve without the cache
                 self._close(vllm_config, role, kv_cache_config,
                             f"LMCache's connector failed to start: {type(exc).__name__}: {exc}")
                 return
-            logger.info("kvpersist: caching ON, namespace %s, LMCache model name %s (role %s)",
+            logger.info("kvpersist: caching %s, namespace %s, LMCache model name %s (role %s)",
+                        "pending (late attach)" if decision.attach_late else "ON",
                         decision.identity.namespace, decision.identity.lmcache_model_name(),
                         role.name)
             if role is KVConnectorRole.SCHEDULER:  # one process per engine records it

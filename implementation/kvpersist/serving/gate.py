@@ -5,6 +5,9 @@ Invariants
 * ``KVP_CACHE_BYPASS`` (``kvpersist.cache_bypass``) is decided after the identity: a bypassed
   engine still resolves (and records) its identity, so a bypass never hides an identity
   problem, but the server is not contacted.
+* A server that does not answer at start closes the gate only when the server's chunk size is
+  unknown (``kvpersist.chunk_size``, written by the launcher); otherwise the decision is
+  "attach late" (:mod:`kvpersist.serving.late_attach`).
 * Fail closed: caching is on only if the connector options parse, the identity derived from the
   running engine is complete and agrees with the pins, and the LMCache server answers; any
   other outcome is a :class:`GateDecision` that is off and whose ``reason`` names the setting,
@@ -41,6 +44,8 @@ class GateDecision:
     options: ConnectorOptions | None
     reason: str | None
     bypass: bool = False
+    #: caching on, but the server did not answer at start: attach when it does
+    attach_late: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -103,7 +108,11 @@ def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
     if isinstance(answer, str):
         return GateDecision.off(answer, options)
     if not answer:
-        return GateDecision.off("the LMCache server does not answer at start", options)
+        if options.chunk_size is not None:
+            return GateDecision(resolution.identity, options, None, attach_late=True)
+        return GateDecision.off("the LMCache server does not answer at start (and "
+                                "kvpersist.chunk_size is not set, so the engine cannot attach "
+                                "later: restart vLLM after the server)", options)
     return GateDecision(resolution.identity, options, None)
 
 

@@ -75,6 +75,7 @@ def kv_transfer_config(
         "kvpersist.cache_root": str(settings.cache_root),
         "kvpersist.lookup_timeout_s": run.lookup_timeout_s,
         "kvpersist.lookup_max_s": run.lookup_max_s,
+        "kvpersist.chunk_size": settings.chunk_size,
     }
     if run.bypass:
         extra_config["kvpersist.cache_bypass"] = True
