@@ -1,0 +1,303 @@
+"""The recovery acceptance test: does a conversation come back from L2 after vLLM restarts (A), and
+after both vLLM and the cache server restart (B)?
+
+It drives the deployment's own launchers: the running server (``kvp-server``'s settings) and vLLM
+started through ``kvp-vllm`` with the recipe's arguments, on a loopback port of its own.
+
+Invariants
+----------
+* Every wait is bounded (server start, vLLM start, each request, the wait for stores); a stack
+  that is not running, or a server without the kvpersist adapter, is a FAIL with the reason,
+  found before anything is started.
+* A hit counts as "from L2" only with evidence: the server's L2 hit counter moved after a marker
+  taken before the request, L1 was cleared first (scenario A), and in scenario B the read
+  sectors of the cache device grew after the page cache was dropped.  Evidence that cannot be
+  had (no block device behind the cache root, no right to drop the page cache, L1 not
+  clearable) makes the check INCONCLUSIVE, never a PASS.
+* The verdict is FAIL when any check failed, else INCONCLUSIVE when any check was, else PASS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config.environment import process_env
+from ..config.server import ServerSettings
+from ..serving import http
+from ..serving.server import ServerError, is_healthy, start_server, stop_server
+from ..serving.vllm_client import StreamedChat, VllmServer, metric_sum, stream_chat
+
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
+LAUNCHER = (sys.executable, "-m", "kvpersist.serving.launcher")
+
+
+@dataclass(frozen=True)
+class Check:
+    scenario: str  # "pre", "A" or "B"
+    name: str
+    status: str  # PASS, FAIL or INCONCLUSIVE
+    detail: str
+
+
+@dataclass(frozen=True)
+class Marker:
+    """The server's counters at one moment (from its /metrics)."""
+
+    stores: float
+    stored_bytes: float
+    used_bytes: float
+    l2_hit_tokens: float
+
+    @classmethod
+    def read(cls, settings: ServerSettings, timeout: float = 10.0) -> Marker:
+        text = http.get(settings.http_url + "/metrics", timeout=timeout).body.decode()
+        return cls(metric_sum(text, "kvpersist_l2_stores_total"),
+                   metric_sum(text, "kvpersist_l2_stored_bytes_total"),
+                   metric_sum(text, "kvpersist_l2_used_bytes"),
+                   metric_sum(text, "lmcache_mp_lookup_hit_l2_tokens_total"))
+
+
+def block_device_of(path: Path, named: str | None) -> str | None:
+    """The /proc/diskstats name of ``named`` (``KVP_CACHE_DEVICE``: ``nvme0n1`` or
+    ``/dev/nvme0n1``), else of the device holding ``path``; None when there is none."""
+    if named:
+        return Path(named).name
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    link = Path(f"/sys/dev/block/{major}:{minor}")
+    return link.resolve().name if link.exists() else None
+
+
+def sectors_read(device: str, diskstats: Path = Path("/proc/diskstats")) -> int | None:
+    for line in diskstats.read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 5 and fields[2] == device:
+            return int(fields[5])
+    return None
+
+
+def drop_page_cache() -> str | None:
+    """Drop the page cache; the reason it could not be dropped, or None."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        return f"cannot drop the page cache ({exc.strerror}); run as root"
+    return None
+
+
+def recovery_chat(nonce: str, words: int) -> list[dict[str, str]]:
+    """A conversation nobody has sent before (the nonce leads it), about ``words`` words long."""
+    sentences: list[str] = []
+    i = 0
+    while sum(len(s.split()) for s in sentences) < words:
+        sentences.append(f"Fact {i}: the persistent tier keeps chunk {i * 7 % 31} of this "
+                         f"conversation on fast local storage.")
+        i += 1
+    return [{"role": "system", "content": f"Recovery test {nonce}. Answer briefly."},
+            {"role": "user", "content": " ".join(sentences)},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Summarise the facts."}]
+
+
+@dataclass
+class LauncherVllm(VllmServer):
+    """vLLM started through ``kvp-vllm`` with the recipe's arguments, on our own port."""
+
+    recipe: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        return [*LAUNCHER, *self.recipe, "--host", "127.0.0.1", "--port", str(self.port)]
+
+    def environment(self) -> dict[str, str]:
+        return process_env(self.env)
+
+
+@dataclass
+class RecoveryTest:
+    settings: ServerSettings
+    recipe: list[str]
+    out: Path
+    words: int = 600
+    device: str | None = None
+    vllm_timeout_s: float = 900.0
+    request_timeout_s: float = 900.0
+    store_wait_s: float = 120.0
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)
+    checks: list[Check] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    # -- bookkeeping
+    def check(self, scenario: str, name: str, ok: bool | None, detail: str) -> bool:
+        status = INCONCLUSIVE if ok is None else PASS if ok else FAIL
+        self.checks.append(Check(scenario, name, status, detail))
+        self.say(f"[{status}] {scenario}: {name}: {detail}")
+        return bool(ok)
+
+    @property
+    def verdict(self) -> str:
+        statuses = {c.status for c in self.checks}
+        return FAIL if FAIL in statuses else INCONCLUSIVE if INCONCLUSIVE in statuses else PASS
+
+    def write_results(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        failed = [c for c in self.checks if c.status != PASS]
+        (self.out / "failures.txt").write_text(
+            "".join(f"{c.status} {c.scenario}: {c.name}: {c.detail}\n" for c in failed))
+        (self.out / "results.json").write_text(json.dumps({
+            "verdict": self.verdict, "checks": [asdict(c) for c in self.checks],
+            "figures": self.figures, "recipe": self.recipe,
+            "cache_root": str(self.settings.cache_root)}, indent=2) + "\n")
+
+    # -- the run
+    def run(self) -> str:
+        try:
+            if self.preconditions():
+                self.scenarios()
+        finally:
+            self.write_results()
+        return self.verdict
+
+    def preconditions(self) -> bool:
+        if not is_healthy(self.settings, timeout=3.0):
+            return self.check("pre", "server answers", False,
+                              f"the LMCache server does not answer at {self.settings.http_url}; "
+                              "start the deployment first (kvp-server start)")
+        status = http.get_object(self.settings.http_url + "/status", timeout=10.0) or {}
+        if "KvPersistL2Adapter" not in json.dumps(status.get("storage_manager", status)):
+            return self.check("pre", "kvpersist L2 adapter", False,
+                              "the server runs without the kvpersist L2 adapter "
+                              f"(KVP_L2_ADAPTER={self.settings.l2_adapter}); nothing to recover")
+        if not self.env.get("KVP_IDENTITY_PINS"):
+            return self.check("pre", "identity pins", False, "KVP_IDENTITY_PINS is not set: "
+                              "point it at configs/<model>/identity.env")
+        return self.check("pre", "stack", True, f"server at {self.settings.http_url} with the "
+                          "kvpersist adapter; vLLM through kvp-vllm")
+
+    def _chat(self, vllm: LauncherVllm, messages: list[dict[str, str]]) -> StreamedChat:
+        return stream_chat(vllm.base_url, messages, timeout=self.request_timeout_s)
+
+    def _wait_stores(self, before: Marker) -> Marker:
+        deadline = time.monotonic() + self.store_wait_s
+        while True:
+            now = Marker.read(self.settings)
+            if (now.stores > before.stores and now.used_bytes > before.used_bytes) \
+                    or time.monotonic() > deadline:
+                return now
+            time.sleep(1.0)
+
+    def _settle(self) -> Marker:
+        """The counters once the server has finished what the last request started."""
+        time.sleep(3.0)
+        return Marker.read(self.settings)
+
+    def scenarios(self) -> None:
+        messages = recovery_chat(uuid.uuid4().hex[:12], self.words)
+        vllm = LauncherVllm(self.out / "vllm.log", recipe=self.recipe, env=self.env)
+        try:
+            self.say("cold: starting vLLM through kvp-vllm")
+            vllm.start(timeout=self.vllm_timeout_s)
+            marker = Marker.read(self.settings)
+            cold = self._chat(vllm, messages)
+            self.figures["cold"] = asdict(cold)
+            if not self.check("pre", "cold request computed", cold.cached_tokens == 0
+                              and bool(cold.tokens),
+                              f"{cold.prompt_tokens} prompt tokens, TTFT {cold.ttft_s:.2f}s, "
+                              f"cached {cold.cached_tokens}"):
+                return
+            stored = self._wait_stores(marker)
+            self.check("pre", "stored before the restart",
+                       stored.stores > marker.stores and stored.used_bytes > marker.used_bytes,
+                       f"store counter {marker.stores:.0f} -> {stored.stores:.0f}, L2 bytes "
+                       f"{marker.used_bytes:.0f} -> {stored.used_bytes:.0f}")
+
+            self.say("scenario A: restarting vLLM (the server keeps running)")
+            vllm.stop()
+            vllm.start(timeout=self.vllm_timeout_s)
+            cleared = http.request("POST", self.settings.http_url + "/cache/clear",
+                                   payload={"tier": "l1", "force": True}, timeout=30.0)
+            self.check("A", "L1 cleared", True if cleared.ok else None,
+                       "the hit can only come from L2" if cleared.ok else
+                       f"/cache/clear answered {cleared.status}: an L1 hit cannot be ruled out")
+            self.restored("A", vllm, messages, cold, device_reads=None)
+
+            self.say("scenario B: restarting vLLM and the server, page cache dropped")
+            vllm.stop()
+            stop_server(self.settings)
+            dropped = drop_page_cache()
+            device = block_device_of(self.settings.cache_root, self.device)
+            reads = sectors_read(device) if device else None
+            start_server(self.settings)
+            vllm.start(timeout=self.vllm_timeout_s)
+            evidence: tuple[str, int] | str
+            if dropped is not None:
+                evidence = dropped
+            elif device is None or reads is None:
+                evidence = (f"no block device behind {self.settings.cache_root} "
+                            "(set KVP_CACHE_DEVICE)")
+            else:
+                evidence = (device, reads)
+            self.restored("B", vllm, messages, cold, device_reads=evidence)
+        except (http.HttpError, RuntimeError, ServerError, OSError, ValueError) as exc:
+            self.check("run", "the run completed", False, f"{type(exc).__name__}: {exc}")
+        finally:
+            vllm.stop()
+            if not is_healthy(self.settings, timeout=3.0):  # leave the server as we found it
+                try:
+                    start_server(self.settings)
+                except ServerError as exc:
+                    self.check("run", "server restarted after the test", False, str(exc))
+
+    def restored(self, scenario: str, vllm: LauncherVllm, messages: list[dict[str, str]],
+                 cold: StreamedChat, *, device_reads: tuple[str, int] | str | None) -> None:
+        before = Marker.read(self.settings)
+        warm = self._chat(vllm, messages)
+        after = self._settle()
+        self.figures[scenario] = asdict(warm)
+        self.check(scenario, "cached tokens reported", warm.cached_tokens > 0,
+                   f"usage.prompt_tokens_details.cached_tokens = {warm.cached_tokens} of "
+                   f"{warm.prompt_tokens}")
+        self.check(scenario, "hit from L2", after.l2_hit_tokens > before.l2_hit_tokens,
+                   f"L2 hit tokens {before.l2_hit_tokens:.0f} -> {after.l2_hit_tokens:.0f}")
+        if device_reads is not None:
+            if isinstance(device_reads, str):
+                self.check(scenario, "read from the cache device", None, device_reads)
+            else:
+                device, sectors = device_reads
+                now = sectors_read(device)
+                self.check(scenario, "read from the cache device",
+                           now is not None and now > sectors,
+                           f"{device}: {sectors} -> {now} sectors read")
+        self.check(scenario, "no new L2 data for the same chat",
+                   after.used_bytes <= before.used_bytes,
+                   f"L2 bytes {before.used_bytes:.0f} -> {after.used_bytes:.0f}")
+        self.check(scenario, "TTFT dropped", warm.ttft_s < cold.ttft_s,
+                   f"{warm.ttft_s:.3f}s vs cold {cold.ttft_s:.3f}s "
+                   f"({cold.ttft_s / max(warm.ttft_s, 1e-9):.1f}x)")
+        self.check(scenario, "identical answer", warm.tokens == cold.tokens,
+                   "same tokens at temperature 0" if warm.tokens == cold.tokens else
+                   f"{warm.text!r} != {cold.text!r}")
+
+
+def default_out(base: Path = Path("benchmarks/results")) -> Path:
+    return base / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-recovery"
+
+
+def run_recovery_test(settings: ServerSettings, recipe: Sequence[str], out: Path,
+                      **options: Any) -> tuple[str, RecoveryTest]:
+    test = RecoveryTest(settings, list(recipe), out, **options)
+    return test.run(), test

@@ -1,0 +1,253 @@
+"""A client of vLLM's OpenAI server and a handle on its process, for everything that drives a real
+engine: the demo, the end-to-end tests, the benchmarks and ``kvp-admin recovery-test``.
+
+Invariants
+----------
+* Every HTTP request has a timeout; nothing here can hang forever.
+* vLLM runs in its own process group; ``stop``/``kill`` reach the API server, the engine core
+  and its workers together, and leave no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import http
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def http_json(url: str, body: dict[str, Any], *, timeout: float) -> Any:
+    """POST ``body``; the JSON answer.  A non-2xx answer raises HttpError with its body."""
+    resp = http.request("POST", url, payload=body, timeout=timeout)
+    if not resp.ok:
+        raise http.HttpError(f"POST {url} answered {resp.status}: {resp.body[:500]!r}")
+    return resp.json()
+
+
+def http_text(url: str, *, timeout: float) -> str:
+    return http.get(url, timeout=timeout).body.decode()
+
+
+_SAMPLE_RE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)$")
+
+
+def metric_sum(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of all samples of ``name`` (Prometheus text) whose labels include ``labels``."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        match = _SAMPLE_RE.match(line.strip())
+        if match is None or match.group("name") != name:
+            continue
+        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group("labels") or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group("value"))
+    return total
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    text: str
+    tokens: list[str]
+    logprobs: list[float]
+    prompt_tokens: int
+    seconds: float
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+
+
+def served_model(base_url: str, *, timeout: float = 10.0) -> str:
+    """The first model id vLLM serves (``/v1/models``)."""
+    resp = http.get(base_url + "/v1/models", timeout=timeout)
+    if not resp.ok:
+        raise http.HttpError(f"GET {base_url}/v1/models answered {resp.status}")
+    return str(resp.json()["data"][0]["id"])
+
+
+def chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: int = 16,
+         timeout: float = 120.0, model: str | None = None) -> ChatResult:
+    """One chat completion at temperature 0 with logprobs (``model``: default the served one)."""
+    body = {"model": model or served_model(base_url), "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0, "logprobs": True, "top_logprobs": 1, "seed": 0}
+    began = time.monotonic()
+    reply = http_json(base_url + "/v1/chat/completions", body, timeout=timeout)
+    choice = reply["choices"][0]
+    content = choice["logprobs"]["content"]
+    return ChatResult(
+        text=choice["message"]["content"],
+        tokens=[c["token"] for c in content],
+        logprobs=[float(c["logprob"]) for c in content],
+        prompt_tokens=int(reply["usage"]["prompt_tokens"]),
+        seconds=time.monotonic() - began,
+        cached_tokens=int((reply["usage"].get("prompt_tokens_details") or {})
+                          .get("cached_tokens") or 0),
+    )
+
+
+@dataclass
+class VllmServer:
+    """vLLM's OpenAI server run as ``command`` with ``env`` (its log at ``log_path``), listening on
+    127.0.0.1:``port``.  Subclasses build the command; this class owns the process."""
+
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 600.0) -> float:
+        """Start and wait for ``/health``; returns seconds to ready."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = subprocess.Popen(self.command(), env=self.environment(),
+                                         stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+        began = time.monotonic()
+        while time.monotonic() - began < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} during start; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            if self.healthy():
+                return time.monotonic() - began
+            time.sleep(1.0)
+        self.kill()
+        raise RuntimeError(f"vLLM not ready within {timeout:.0f}s; log {self.log_path}:\n"
+                           f"{self.log_tail()}")
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        return http.answers(self.base_url + "/health", timeout=timeout)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def metrics(self, timeout: float = 10.0) -> str:
+        return http_text(self.base_url + "/metrics", timeout=timeout)
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left after ``timeout``."""
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=timeout)
+        self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._wait_group_gone(self.proc.pid, 15.0)
+        self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._wait_group_gone(self.proc.pid, 15.0)
+        self.proc = None
+
+    @staticmethod
+    def _wait_group_gone(pgid: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class StreamedChat:
+    """A streamed chat completion: the answer, and the time to its first token."""
+
+    text: str
+    tokens: list[str]
+    ttft_s: float
+    seconds: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def stream_chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: int = 16,
+                timeout: float = 600.0, model: str | None = None) -> StreamedChat:
+    """One streamed chat completion at temperature 0; the time to first token is measured on
+    the first content chunk.  ``timeout`` bounds every socket operation."""
+    import http.client as http_client
+    import json
+    import urllib.parse
+
+    body = {"model": model or served_model(base_url), "messages": messages,
+            "max_tokens": max_tokens, "temperature": 0.0, "seed": 0, "logprobs": True,
+            "top_logprobs": 1, "stream": True, "stream_options": {"include_usage": True}}
+    parts = urllib.parse.urlsplit(base_url)
+    conn = http_client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+    began = time.monotonic()
+    ttft: float | None = None
+    tokens: list[str] = []
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise http.HttpError(f"POST {base_url}/v1/chat/completions answered {resp.status}: "
+                                 f"{resp.read()[:500]!r}")
+        for raw in resp:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                content = (choice.get("logprobs") or {}).get("content") or []
+                if content and ttft is None:
+                    ttft = time.monotonic() - began
+                tokens.extend(str(c["token"]) for c in content)
+                text.append((choice.get("delta") or {}).get("content") or "")
+    except OSError as exc:
+        raise http.HttpError(f"no answer from {base_url}: {exc}") from None
+    finally:
+        conn.close()
+    details = usage.get("prompt_tokens_details") or {}
+    return StreamedChat("".join(text), tokens, ttft if ttft is not None else float("nan"),
+                        time.monotonic() - began, int(usage.get("prompt_tokens") or 0),
+                        int(details.get("cached_tokens") or 0))

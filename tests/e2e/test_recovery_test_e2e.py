@@ -1,0 +1,93 @@
+"""``kvp-admin recovery-test`` on the CPU stack with the tiny model: both scenarios pass, with the
+disk evidence of a real block device (a loop device holds the cache root); and against a stack that
+is not running, or one without kvpersist, it says FAIL at once.
+
+Timings are never asserted here: the TTFT check is reported (the tiny model's prefill is too short
+for a reliable difference on a loaded CI machine) and only its figures are checked for presence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpersist.config.server import load_settings
+from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing import slow_disk
+from kvpersist.testing.helpers import TINY_PINS, server_env
+
+pytestmark = pytest.mark.e2e
+TIMING_CHECKS = {"TTFT dropped"}
+
+
+def recovery_test(env: dict[str, str], out: Path, *recipe: str,
+                  timeout: float = 900) -> tuple[int, dict[str, object], str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpersist.admin.cli", "recovery-test", "--out", str(out),
+         "--words", "150", "--vllm-timeout", "300", "--request-timeout", "120", "--", *recipe],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+    results = json.loads((out / "results.json").read_text())
+    return done.returncode, results, done.stdout + done.stderr
+
+
+def tiny_recipe(model: Path) -> list[str]:
+    return [str(model), "--dtype", "float32", "--max-model-len", "2048",
+            "--max-num-batched-tokens", "256", "--served-model-name", "tiny"]
+
+
+@pytest.mark.skipif(slow_disk.unavailable() is not None, reason=str(slow_disk.unavailable()))
+def test_both_scenarios_pass_with_disk_evidence(tiny_model: Path, tmp_path: Path) -> None:
+    with slow_disk.slow_disk(tmp_path, size_mb=256, read_bytes_per_s=0) as disk:
+        env = {**server_env(disk.mount / "cache"), "KVP_IDENTITY_PINS": str(TINY_PINS),
+               "VLLM_CPU_KVCACHE_SPACE": "1", "KVP_CACHE_DEVICE": disk.device}
+        settings = load_settings(server_env(disk.mount / "cache"))
+        start_server(settings)
+        try:
+            code, results, output = recovery_test(env, tmp_path / "out", *tiny_recipe(tiny_model))
+        finally:
+            stop_server(settings)
+    checks = results["checks"]
+    assert isinstance(checks, list)
+    failed = [c for c in checks if c["status"] != "PASS" and c["name"] not in TIMING_CHECKS]
+    assert failed == [], output[-3000:]
+    names = {(c["scenario"], c["name"]) for c in checks}
+    for scenario in ("A", "B"):
+        for name in ("cached tokens reported", "hit from L2", "no new L2 data for the same chat",
+                     "identical answer", "TTFT dropped"):
+            assert (scenario, name) in names, (scenario, name)
+    assert ("A", "L1 cleared") in names and ("B", "read from the cache device") in names
+    figures = results["figures"]
+    assert isinstance(figures, dict)
+    assert all(figures[k]["ttft_s"] > 0 for k in ("cold", "A", "B"))
+    timing_ok = all(c["status"] == "PASS" for c in checks if c["name"] in TIMING_CHECKS)
+    assert code == (0 if timing_ok else 1)
+    listed = (tmp_path / "out" / "failures.txt").read_text()
+    assert (listed == "") == timing_ok
+
+
+def test_a_stack_that_is_not_running_fails_at_once(tmp_path: Path) -> None:
+    env = {**server_env(tmp_path / "cache"), "KVP_IDENTITY_PINS": str(TINY_PINS)}
+    began = time.monotonic()
+    code, results, _ = recovery_test(env, tmp_path / "out", "/models/none", timeout=120)
+    assert code == 1 and results["verdict"] == "FAIL"
+    assert "does not answer" in (tmp_path / "out" / "failures.txt").read_text()
+    assert time.monotonic() - began < 60  # a bound against a hang, not a timing measurement
+
+
+def test_a_server_without_kvpersist_fails_at_once(tmp_path: Path) -> None:
+    env = {**server_env(tmp_path / "cache", KVP_L2_ADAPTER="fs"),
+           "KVP_IDENTITY_PINS": str(TINY_PINS)}
+    settings = load_settings(server_env(tmp_path / "cache", KVP_L2_ADAPTER="fs"))
+    start_server(settings)
+    try:
+        code, results, _ = recovery_test(env, tmp_path / "out", "/models/none", timeout=120)
+    finally:
+        stop_server(settings)
+    assert code == 1 and results["verdict"] == "FAIL"
+    assert "without the kvpersist L2 adapter" in (tmp_path / "out" / "failures.txt").read_text()
