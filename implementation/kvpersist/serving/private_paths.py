@@ -25,12 +25,19 @@ class PrivatePathError(RuntimeError):
     """A path of the server is not private to its account; the message says how to fix it."""
 
 
-def _owner_problem(path: Path, st: os.stat_result, what: str) -> str | None:
+def _require_owned(path: Path, st: os.stat_result, what: str, *, allowed: int) -> int:
+    """Raise unless ``st`` is ours and its mode grants nothing beyond ``allowed``; the mode."""
     uid = os.geteuid()
     if st.st_uid != uid:
-        return (f"{what} {path} is owned by uid {st.st_uid}, not by this account (uid {uid}); "
-                f"`chown {uid} {path}` if it is yours, or choose another path")
-    return None
+        raise PrivatePathError(
+            f"{what} {path} is owned by uid {st.st_uid}, not by this account (uid {uid}); "
+            f"`chown {uid} {path}` if it is yours, or choose another path")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & ~allowed & 0o777:
+        raise PrivatePathError(
+            f"{what} {path} has mode {mode:04o}, which lets other accounts in; "
+            f"`chmod {allowed:04o} {path}` (the cache server requires {allowed:04o})")
+    return mode
 
 
 def check_private_dir(path: Path, what: str, *, group: int | None = None,
@@ -44,15 +51,7 @@ def check_private_dir(path: Path, what: str, *, group: int | None = None,
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise PrivatePathError(f"{what} {path} exists and is not a directory")
-    problem = _owner_problem(path, st, what)
-    if problem:
-        raise PrivatePathError(problem)
-    mode = stat.S_IMODE(st.st_mode)
-    allowed = 0o750 if group is not None else 0o700
-    if mode & ~allowed & 0o777:
-        raise PrivatePathError(
-            f"{what} {path} has mode {mode:04o}, which lets other accounts in; "
-            f"`chmod {allowed:04o} {path}` (the cache server requires {allowed:04o})")
+    mode = _require_owned(path, st, what, allowed=0o750 if group is not None else 0o700)
     if group is not None and mode & 0o050 and st.st_gid != group:
         raise PrivatePathError(
             f"{what} {path} belongs to group {st.st_gid}, not KVP_ACCESS_GROUP ({group}); "
@@ -90,13 +89,7 @@ def check_private_file(path: Path, what: str) -> None:
         raise PrivatePathError(f"{what} {path} is a symlink; refusing to follow it. Remove it")
     if not stat.S_ISREG(st.st_mode):
         raise PrivatePathError(f"{what} {path} is not a regular file; remove it")
-    problem = _owner_problem(path, st, what)
-    if problem:
-        raise PrivatePathError(problem)
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        raise PrivatePathError(f"{what} {path} has mode {mode:04o}, readable or writable by "
-                               f"other accounts; `chmod 0600 {path}`")
+    _require_owned(path, st, what, allowed=0o600)
 
 
 def open_private_log(path: Path) -> int:

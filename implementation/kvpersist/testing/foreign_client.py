@@ -48,6 +48,11 @@ def _connection(base: str, timeout: float) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=timeout)
 
 
+def _refused(exc: OSError) -> dict[str, Any]:
+    kind = "denied" if isinstance(exc, PermissionError) else "error"
+    return {kind: f"{type(exc).__name__}: {exc}"}
+
+
 def http_call(base: str, method: str, path: str, payload: Any, timeout: float) -> dict[str, Any]:
     conn = _connection(base, timeout)
     body = None if payload is None else json.dumps(payload).encode()
@@ -56,10 +61,8 @@ def http_call(base: str, method: str, path: str, payload: Any, timeout: float) -
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         return {"status": resp.status, "body": resp.read()[:300].decode(errors="replace")}
-    except PermissionError as exc:
-        return {"denied": f"{type(exc).__name__}: {exc}"}
     except OSError as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return _refused(exc)
     finally:
         conn.close()
 
@@ -77,10 +80,8 @@ def open_request_endpoint(url: str, timeout: float) -> dict[str, Any]:
     try:
         sock.connect(address)
         return {"connected": True}
-    except PermissionError as exc:
-        return {"denied": f"{type(exc).__name__}: {exc}"}
     except OSError as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return _refused(exc)
     finally:
         sock.close()
 
