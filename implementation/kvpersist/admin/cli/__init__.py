@@ -1,8 +1,9 @@
 """``kvp-admin``: the operator's tool (also ``python3 -m kvpersist.admin.cli``).
 
 One module per command (``*_cmd.py``, each with ``register(sub)``); ``common`` holds what they
-share.  Invariants: every subcommand has ``--help`` and ``--json``; nothing here starts by itself,
-and nothing deletes cache data.  Exit codes: 0 ok, 1 error, 2 usage, 3 "caching off"
+share.  Invariants: every subcommand has ``--help`` and ``--json``; nothing here starts by itself
+(only ``server`` and ``recovery-test`` start or restart processes, when asked), and nothing
+deletes cache data without ``cleanup --apply``.  Exit codes: 0 ok, 1 error, 2 usage, 3 "caching off"
 (identity incomplete or contradicted) or "server not healthy".
 """
 
@@ -35,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         "server, what is on disk (report, cleanup, quota, verify, metrics) and preflight checks. "
         "Settings come from the lmcache-server.env template (configs/generic in a checkout) "
         "overridden by the environment "
-        "(KVP_CACHE_ROOT, KVP_L1_SIZE_GB, KVP_CACHE_BUDGET_GB, KVP_ZMQ_PORT, KVP_HTTP_PORT, ...).",
-        epilog="Nothing runs by itself and nothing is deleted without `cleanup --apply`. "
+        "(KVP_CACHE_ROOT, KVP_L1_SIZE_GB, KVP_CACHE_BUDGET_GB, KVP_RUNTIME_DIR, KVP_ACCESS, ...).",
+        epilog="Nothing runs by itself and nothing is deleted without `cleanup --apply`; only "
+        "`server` and `recovery-test` start or restart processes. "
         "Examples: kvp-admin report; kvp-admin identity --diff a.env b.env (why no hits?); "
         "kvp-admin cleanup --target-gb 1200 (dry run); kvp-admin COMMAND --help for each.",
     )
