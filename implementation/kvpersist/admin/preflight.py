@@ -92,9 +92,9 @@ def filesystem_check(root: Path, *, production: bool, mounts: str = "/proc/mount
 def access_check(settings: ServerSettings) -> Check:
     """Which access mode is on: ``unix`` is ok; ``tcp`` (open to every local account) warns."""
     warning = access_warning(settings)
-    return Check("access", "warn" if warning else "ok",
-                 f"KVP_ACCESS={settings.access}: {describe_access(settings)}"
-                 + (f". {warning.removeprefix('WARNING: ')}" if warning else ""))
+    if warning:
+        return Check("access", "warn", warning.removeprefix("WARNING: "))
+    return Check("access", "ok", f"KVP_ACCESS={settings.access}: {describe_access(settings)}")
 
 
 def runtime_dir_check(settings: ServerSettings, *, running: bool) -> Check:

@@ -265,8 +265,8 @@ def access_warning(settings: ServerSettings) -> str | None:
 def describe_access(settings: ServerSettings) -> str:
     """One line for operators: which access mode is on and who may use the endpoints."""
     if settings.unix_sockets:
-        who = "its own account" + (f" and group {settings.access_group}"
-                                   if settings.access_group else "")
+        who = "the server's account" + (f" and group {settings.access_group}"
+                                         if settings.access_group else "")
         return (f"unix sockets in {settings.socket_dir} (request {REQUEST_SOCKET_NAME}, admin "
                 f"{HTTP_SOCKET_NAME}); only {who} may connect")
     return (f"tcp {settings.bind_host}:{settings.zmq_port} (request) and "
