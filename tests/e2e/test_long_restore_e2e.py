@@ -5,7 +5,6 @@ blkio cgroup the server is admitted to) and the page cache is dropped before eac
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,10 @@ from kvpersist.testing.helpers import clear_l1, pins_for_model, server_env, wait
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(slow_disk.unavailable() is not None,
-                                 reason=f"no slow disk here: {slow_disk.unavailable()}"),
-              # On demand until understood: it passed in every run outside the clean-clone CI
-              # run and failed in both CI runs (the restore was taken for a stall after 5 s);
-              # the bypass log line now says what the progress probe saw.
-              pytest.mark.skipif(os.environ.get("KVP_SLOW_DISK_E2E") != "1",
-                                 reason="on demand: KVP_SLOW_DISK_E2E=1 (see README, Tests)")]
+                                 reason=f"no slow disk here: {slow_disk.unavailable()}")]
+# It failed in CI runs, never alone: the progress probe saw "0/2 polls answered" because the
+# store's /status counted quarantine/ with a scandir that queued behind the throttled restore's
+# reads.  /status no longer touches the disk (kvpersist.l2.census).
 
 RATE = 5 << 20  # bytes per second the server may read from the cache's device
 DEADLINE_S = 5.0  # the plain lookup deadline (KVP_LOOKUP_TIMEOUT_S's default)

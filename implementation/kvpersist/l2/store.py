@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .census import QuarantineCensus
 from .files import (
     DISK_FULL,
     publish,
@@ -75,6 +76,7 @@ class KvFileStore:
         self.sharded = sharded
         self.fsync = fsync
         self.quarantine_max_files = quarantine_max_files
+        self._census = QuarantineCensus(self.root / QUARANTINE_DIR)
         self.index = KeyIndex(capacity_bytes, on_added=on_added, on_removed=on_removed)
         self.stats = StoreStats()
         self._lock_fd = -1
@@ -97,6 +99,7 @@ class KvFileStore:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / QUARANTINE_DIR).mkdir(mode=0o700, exist_ok=True)
         self._lock_fd = take_root_lock(self.root)
+        self._census.count_now()
         if background_scan:
             self._scan_thread = threading.Thread(target=self._scan, name="kvpersist-l2-scan",
                                                  daemon=True)
@@ -252,7 +255,10 @@ class KvFileStore:
             count = self.quarantine_max_files
         try:
             if count < self.quarantine_max_files:
-                action = f"moved to {quarantine_file(self.root, path, reason)}"
+                moved = quarantine_file(self.root, path, reason)
+                with contextlib.suppress(OSError):
+                    self._census.added(moved.stat().st_size)
+                action = f"moved to {moved}"
             else:
                 os.unlink(path)
                 action = "removed (quarantine full)"
@@ -284,12 +290,7 @@ class KvFileStore:
 
     def status(self) -> dict[str, Any]:
         files, used, reserved = self.index.totals()
-        quarantine_files = quarantine_bytes = 0
-        with contextlib.suppress(OSError), os.scandir(self.root / QUARANTINE_DIR) as entries:
-            for entry in entries:
-                quarantine_files += 1
-                with contextlib.suppress(OSError):
-                    quarantine_bytes += entry.stat(follow_symlinks=False).st_size
+        quarantine_files, quarantine_bytes = self._census.get()  # never waits on the disk
         return {
             "root": str(self.root),
             "sharded": self.sharded,
