@@ -58,6 +58,8 @@ def test_drop_in_moves_the_writable_path_with_the_root() -> None:
     env = dict(item.split("=", 1) for value in service["Environment"] for item in value.split())
     assert service["ReadWritePaths"] == ["", env["KVP_CACHE_ROOT"]]  # reset, then the new root
     assert env["KVP_ACCESS_GROUP"] and service["RuntimeDirectoryMode"] == ["0750"]
+    # systemd gives the runtime directory the service's group: it must be the access group
+    assert service["Group"] == [env["KVP_ACCESS_GROUP"]]
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
