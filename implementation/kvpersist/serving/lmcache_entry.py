@@ -28,6 +28,7 @@ Invariants
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -69,6 +70,14 @@ def clear_stale_socket(path: Path) -> None:
     path.unlink()
 
 
+def remove_socket(path: Path) -> None:
+    """Unlink ``path`` if it is a socket (after its server was stopped: a process that inherited
+    the listening socket may keep it open for a moment, so no probe here)."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            path.unlink()
+
+
 def _restrict(path: Path, mode: int, gid: int | None) -> None:
     if gid is not None:
         os.chown(path, -1, gid, follow_symlinks=False)
@@ -82,7 +91,6 @@ def bind_http_socket(path: Path, mode: int, gid: int | None) -> socket.socket:
     sock.bind(str(path))
     _restrict(path, mode, gid)
     sock.listen(128)
-    sock.set_inheritable(True)
     return sock
 
 

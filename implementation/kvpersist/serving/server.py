@@ -38,7 +38,7 @@ from ..config.adapters import l2_adapter_config
 from ..config.environment import process_env
 from ..config.server import ServerSettings, access_warning, group_id
 from . import http
-from .lmcache_entry import SocketPathError, clear_stale_socket
+from .lmcache_entry import SocketPathError, clear_stale_socket, remove_socket
 from .pidfile import (
     PidRecord,
     PidState,
@@ -345,10 +345,10 @@ def stop_server(settings: ServerSettings) -> StopResult:
     assert status.record is not None
     graceful = _terminate(status.record.pid, settings.stop_timeout_s)
     remove_pid_file(settings.pid_file, status.record)
-    if settings.unix_sockets:
+    if settings.unix_sockets:  # the recorded server is gone: its socket files go too
         for path in (settings.request_socket, settings.http_socket):
-            with contextlib.suppress(SocketPathError, OSError):
-                clear_stale_socket(path)
+            with contextlib.suppress(OSError):
+                remove_socket(path)
     return StopResult(status, signalled=True, graceful=graceful)
 
 
