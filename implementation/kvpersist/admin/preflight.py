@@ -17,7 +17,6 @@ from ..config.server import (
     SettingsError,
     access_warning,
     describe_access,
-    group_id,
 )
 from ..identity import FIELDS, IdentityError, load_pins
 from ..serving.private_paths import PrivatePathError, check_private_dir
@@ -103,8 +102,7 @@ def runtime_dir_check(settings: ServerSettings, *, running: bool) -> Check:
         return Check("runtime dir", "ok", f"{where} will be created (mode "
                      f"{'0750' if settings.access_group else '0700'})")
     try:
-        group = None if settings.access_group is None else group_id(settings.access_group)
-        check_private_dir(where, "KVP_RUNTIME_DIR", group=group)
+        check_private_dir(where, "KVP_RUNTIME_DIR", group=settings.access_gid)
     except (PrivatePathError, SettingsError) as exc:
         return Check("runtime dir", "error", f"{exc}; the server refuses to start")
     state = "the running server's sockets" if running else "no server answers there"

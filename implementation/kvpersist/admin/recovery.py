@@ -33,11 +33,10 @@ from ..config.environment import process_env
 from ..config.server import ServerSettings
 from ..serving import http
 from ..serving.server import ServerError, is_healthy, start_server, stop_server
-from ..serving.vllm_client import StreamedChat, VllmServer, metric_sum, stream_chat
+from ..serving.vllm_client import KVP_VLLM, StreamedChat, VllmServer, metric_sum, stream_chat
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
-LAUNCHER = (sys.executable, "-m", "kvpersist.serving.launcher")
 
 
 @dataclass(frozen=True)
@@ -88,14 +87,11 @@ def sectors_read(device: str, diskstats: Path = Path("/proc/diskstats")) -> int 
     return None
 
 
-def drop_page_cache() -> str | None:
-    """Drop the page cache; the reason it could not be dropped, or None."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as exc:
-        return f"cannot drop the page cache ({exc.strerror}); run as root"
-    return None
+def drop_page_cache() -> None:
+    """Write back and drop the page cache, so the next reads come from the device (root only;
+    OSError otherwise)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def recovery_chat(nonce: str, words: int) -> list[dict[str, str]]:
@@ -120,7 +116,7 @@ class LauncherVllm(VllmServer):
     env: dict[str, str] = field(default_factory=dict)
 
     def command(self) -> list[str]:
-        return [*LAUNCHER, *self.recipe, "--host", "127.0.0.1", "--port", str(self.port)]
+        return [*KVP_VLLM, *self.recipe, "--host", "127.0.0.1", "--port", str(self.port)]
 
     def environment(self) -> dict[str, str]:
         return process_env(self.env)
@@ -238,7 +234,11 @@ class RecoveryTest:
             self.say("scenario B: restarting vLLM and the server, page cache dropped")
             vllm.stop()
             stop_server(self.settings)
-            dropped = drop_page_cache()
+            dropped: str | None = None
+            try:
+                drop_page_cache()
+            except OSError as exc:
+                dropped = f"cannot drop the page cache ({exc.strerror}); run as root"
             device = block_device_of(self.settings.cache_root, self.device)
             reads = sectors_read(device) if device else None
             start_server(self.settings)

@@ -6,15 +6,12 @@ namespaces are active.
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
 from ..l2.inventory import Inventory
 from ..serving import http
+from ..serving.late_attach import registered_namespaces
 from .budget import BudgetModel, over_quota
-
-_NS_IN_TEXT = re.compile(r"kvp-[0-9a-f]{32}")
 
 
 def active_namespaces_from_server(http_url: str, timeout: float = 5.0) -> set[str] | None:
@@ -22,9 +19,7 @@ def active_namespaces_from_server(http_url: str, timeout: float = 5.0) -> set[st
     body = http.get_object(http_url + "/status", timeout=timeout)
     if body is None:
         return None
-    meta = {k: body.get(k) for k in ("cache_context_meta", "non_cuda_context_meta",
-                                     "registered_non_cuda_instance_ids")}
-    return set(_NS_IN_TEXT.findall(json.dumps(meta)))
+    return set(registered_namespaces(body))
 
 
 def build_report(inv: Inventory, budget: BudgetModel, quotas: dict[str, int],

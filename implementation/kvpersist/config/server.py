@@ -102,6 +102,11 @@ class ServerSettings:
         return self.access == "unix"
 
     @property
+    def access_gid(self) -> int | None:
+        """The gid of ``KVP_ACCESS_GROUP`` (checked when the settings were loaded), or None."""
+        return None if self.access_group is None else group_id(self.access_group)
+
+    @property
     def socket_dir(self) -> Path:
         """The runtime directory that holds the sockets (``KVP_RUNTIME_DIR``)."""
         return self.runtime_dir or self.cache_root / RUNTIME_DIR_NAME
@@ -232,8 +237,7 @@ def _check_access(settings: ServerSettings) -> None:
             raise SettingsError("KVP_ACCESS_GROUP applies to KVP_ACCESS=unix only; the tcp "
                                 "endpoints cannot tell accounts apart")
         return
-    if settings.access_group is not None:
-        group_id(settings.access_group)
+    if settings.access_gid is not None:
         runtime = settings.socket_dir
         if runtime == settings.cache_root or settings.cache_root in runtime.parents:
             raise SettingsError(

@@ -7,19 +7,18 @@ Used by the CPU demo and the end-to-end tests, so both exercise exactly what an 
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config.environment import process_env
+from ..serving.vllm_client import KVP_VLLM, VllmServer
 from ..serving.vllm_client import ChatResult as ChatResult
-from ..serving.vllm_client import VllmServer
 from ..serving.vllm_client import chat as chat
 from ..serving.vllm_client import free_port as free_port
 from ..serving.vllm_client import http_json as http_json
 from ..serving.vllm_client import metric_sum as metric_sum
 
-LAUNCHER = (sys.executable, "-m", "kvpersist.serving.launcher")  # = the kvp-vllm command
+LAUNCHER = KVP_VLLM
 SERVED_MODEL_NAME = "tiny"
 PREFILL_STEP_TOKENS = 256  # LMCache's chunk size
 

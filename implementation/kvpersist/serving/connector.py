@@ -295,10 +295,7 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                         "pending (late attach)" if decision.attach_late else "ON",
                         decision.identity.namespace, decision.identity.lmcache_model_name(),
                         role.name)
-            if role is KVConnectorRole.SCHEDULER:  # one process per engine records it
-                recorded = record_identity(decision.options, decision.identity)
-                if isinstance(recorded, str):
-                    logger.warning("kvpersist: %s", recorded)
+            _record_identity(role, decision.options, decision.identity)
         else:
             self._close(vllm_config, role, kv_cache_config, decision.reason or "gate closed")
 
@@ -308,10 +305,7 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                   "lookup and no store")
         logger.warning("kvpersist: %s (role %s); vLLM serves without the KV cache tier",
                        reason, role.name)
-        if role is KVConnectorRole.SCHEDULER:
-            recorded = record_identity(options, identity)
-            if isinstance(recorded, str):
-                logger.warning("kvpersist: %s", recorded)
+        _record_identity(role, options, identity)
         self.inner = DisabledKvConnector(vllm_config, role, kv_cache_config, reason=reason)
 
     def _close(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
@@ -375,6 +369,15 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def _record_identity(role: KVConnectorRole, options: ConnectorOptions,
+                     identity: CacheIdentity) -> None:
+    """The scheduler (one process per engine) records the identity behind the namespace."""
+    if role is KVConnectorRole.SCHEDULER:
+        recorded = record_identity(options, identity)
+        if isinstance(recorded, str):
+            logger.warning("kvpersist: %s", recorded)
 
 
 def with_suppressed_errors(call: Callable[[], object]) -> None:

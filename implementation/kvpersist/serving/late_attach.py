@@ -28,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -80,14 +82,24 @@ def defer_worker_registration(adapter: Any) -> None:
     adapter._send_register_kv_caches_request = deferred
 
 
-def registrations(status: Mapping[str, Any], namespace: str) -> int:
-    """How many registered engine contexts in a server ``/status`` carry ``namespace``."""
-    count = 0
+_NAMESPACE = re.compile(r"kvp-[0-9a-f]{32}")
+
+
+def registered_namespaces(status: Mapping[str, Any]) -> Counter[str]:
+    """Namespace -> how many engine contexts registered with the server carry it, read from a
+    server ``/status`` (one count per worker; ``kvp-admin`` reads the active set from it)."""
+    found: Counter[str] = Counter()
     for section in REGISTRATION_SECTIONS:
         entries = status.get(section)
         if isinstance(entries, Mapping):
-            count += sum(1 for entry in entries.values() if namespace in json.dumps(entry))
-    return count
+            for entry in entries.values():
+                found.update(set(_NAMESPACE.findall(json.dumps(entry))))
+    return found
+
+
+def registrations(status: Mapping[str, Any], namespace: str) -> int:
+    """How many registered engine contexts in a server ``/status`` carry ``namespace``."""
+    return registered_namespaces(status)[namespace]
 
 
 class RegistrationWatch:

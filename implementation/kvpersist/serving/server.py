@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 
 from ..config.adapters import l2_adapter_config
 from ..config.environment import process_env
-from ..config.server import ServerSettings, access_warning, group_id
+from ..config.server import ServerSettings, access_warning
 from . import http
 from .lmcache_entry import SocketPathError, clear_stale_socket, remove_socket
 from .pidfile import (
@@ -69,20 +69,20 @@ class ServerError(RuntimeError):
 POLICY_ENTRY = ("-m", "kvpersist.serving.lmcache_entry")
 
 
-def lmcache_command() -> list[str]:
-    """The ``lmcache`` command line prefix of this interpreter's environment."""
+def lmcache_python() -> str:
+    """This interpreter, once it is known to have LMCache (the server runs with it)."""
     if importlib.util.find_spec("lmcache") is None:
         raise ServerError(
             f"LMCache is not installed for {sys.executable}; install lmcache==0.5.6 there "
             "(in a checkout: scripts/bootstrap.sh)"
         )
-    return [sys.executable, *POLICY_ENTRY]
+    return sys.executable
 
 
 def _entry(settings: ServerSettings, python: str | None) -> list[str]:
-    cmd = [python or lmcache_command()[0], *POLICY_ENTRY]
+    cmd = [python or lmcache_python(), *POLICY_ENTRY]
     if settings.unix_sockets:
-        group = None if settings.access_group is None else group_id(settings.access_group)
+        group = settings.access_gid
         cmd += ["--request-socket", str(settings.request_socket),
                 "--http-socket", str(settings.http_socket),
                 "--socket-mode", "0660" if group is not None else "0600",
@@ -184,9 +184,8 @@ def check_preconditions(settings: ServerSettings) -> PidStatus:
 
 def _prepare_runtime_dir(settings: ServerSettings) -> None:
     """The private runtime directory, with no live server's socket and no stale one in it."""
-    group = None if settings.access_group is None else group_id(settings.access_group)
     try:
-        ensure_private_dir(settings.socket_dir, "KVP_RUNTIME_DIR", group=group)
+        ensure_private_dir(settings.socket_dir, "KVP_RUNTIME_DIR", group=settings.access_gid)
     except PrivatePathError as exc:
         raise ServerError(str(exc)) from None
     except OSError as exc:
@@ -221,12 +220,23 @@ class StartResult:
     seconds: float
 
 
-def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = None) -> StartResult:
-    """Start the server in the background and wait for ``/healthcheck``."""
+def _prepare_start(settings: ServerSettings) -> PidStatus | None:
+    """Every precondition checked; a stale pid file (dead or reused pid) removed and returned."""
     previous = check_preconditions(settings)
     stale = previous if previous.state in (PidState.DEAD, PidState.REUSED) else None
     if stale is not None:
         remove_pid_file(settings.pid_file, stale.record)
+    return stale
+
+
+def _pid_record(pid: int, settings: ServerSettings) -> PidRecord:
+    return PidRecord(pid, process_start_ticks(pid) or 0, "lmcache server", settings.zmq_port,
+                     settings.http_port)
+
+
+def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = None) -> StartResult:
+    """Start the server in the background and wait for ``/healthcheck``."""
+    stale = _prepare_start(settings)
     cmd = server_command(settings)
     began = time.monotonic()
     log = open_private_log(settings.log_file)
@@ -243,8 +253,7 @@ def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = No
         )
     finally:
         os.close(log)
-    ticks = process_start_ticks(proc.pid)
-    record = PidRecord(proc.pid, ticks or 0, "lmcache server", settings.zmq_port, settings.http_port)
+    record = _pid_record(proc.pid, settings)
     write_pid_file(settings.pid_file, record)
     deadline = began + settings.start_timeout_s
     while time.monotonic() < deadline:
@@ -273,13 +282,9 @@ def exec_server(settings: ServerSettings, *, env: Mapping[str, str] | None = Non
     The same checks as :func:`start_server`; the pid file names this process, which keeps its pid
     and start time across the ``exec``, so ``kvp-server status/stop`` and ``kvp-admin`` see it as
     usual.  Output goes to this process's stdout/stderr (the journal under systemd)."""
-    previous = check_preconditions(settings)
-    if previous.state in (PidState.DEAD, PidState.REUSED):
-        remove_pid_file(settings.pid_file, previous.record)
+    _prepare_start(settings)
     cmd = server_command(settings)
-    me = os.getpid()
-    record = PidRecord(me, process_start_ticks(me) or 0, "lmcache server", settings.zmq_port,
-                       settings.http_port)
+    record = _pid_record(os.getpid(), settings)
     write_pid_file(settings.pid_file, record)
     os.umask(0o077)
     try:

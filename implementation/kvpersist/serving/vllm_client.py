@@ -16,12 +16,16 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import http
+
+#: The ``kvp-vllm`` command, run by this interpreter.
+KVP_VLLM = (sys.executable, "-m", "kvpersist.serving.launcher")
 
 
 def free_port() -> int:
@@ -76,12 +80,18 @@ def served_model(base_url: str, *, timeout: float = 10.0) -> str:
     return str(resp.json()["data"][0]["id"])
 
 
+def chat_body(base_url: str, messages: list[dict[str, str]], *, max_tokens: int,
+              model: str | None) -> dict[str, Any]:
+    """A chat request at temperature 0 with logprobs (``model``: default the served one)."""
+    return {"model": model or served_model(base_url), "messages": messages,
+            "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True, "top_logprobs": 1,
+            "seed": 0}
+
+
 def chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: int = 16,
          timeout: float = 120.0, model: str | None = None) -> ChatResult:
     """One chat completion at temperature 0 with logprobs (``model``: default the served one)."""
-    body = {"model": model or served_model(base_url), "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0.0, "logprobs": True, "top_logprobs": 1, "seed": 0}
+    body = chat_body(base_url, messages, max_tokens=max_tokens, model=model)
     began = time.monotonic()
     reply = http_json(base_url + "/v1/chat/completions", body, timeout=timeout)
     choice = reply["choices"][0]
@@ -211,9 +221,8 @@ def stream_chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: in
     import json
     import urllib.parse
 
-    body = {"model": model or served_model(base_url), "messages": messages,
-            "max_tokens": max_tokens, "temperature": 0.0, "seed": 0, "logprobs": True,
-            "top_logprobs": 1, "stream": True, "stream_options": {"include_usage": True}}
+    body = {**chat_body(base_url, messages, max_tokens=max_tokens, model=model),
+            "stream": True, "stream_options": {"include_usage": True}}
     parts = urllib.parse.urlsplit(base_url)
     conn = http_client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     began = time.monotonic()

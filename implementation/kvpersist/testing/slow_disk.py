@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..admin.recovery import drop_page_cache
+
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
 
@@ -33,10 +35,7 @@ def unavailable() -> str | None:
     return None
 
 
-def drop_caches() -> None:
-    """Write back and drop the page cache, so the next reads come from the device."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+drop_caches = drop_page_cache
 
 
 @dataclass
