@@ -5,7 +5,6 @@ blkio cgroup the server is admitted to) and the page cache is dropped before eac
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -20,14 +19,7 @@ from kvpersist.testing.helpers import clear_l1, pins_for_model, server_env, wait
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(slow_disk.unavailable() is not None,
-                                 reason=f"no slow disk here: {slow_disk.unavailable()}"),
-              # On demand: it fails in some full CI runs and never alone.  The bypass line says
-              # "progress probe: 0/2 polls answered": the server's /status did not answer within
-              # 2 s while the throttled restore ran.  Removing the one disk access of the
-              # adapter's status (kvpersist.l2.census) was not enough (next CI run: 10/10 polls
-              # answered and passed; the one after: 0/2 again).  See README, Tests.
-              pytest.mark.skipif(os.environ.get("KVP_SLOW_DISK_E2E") != "1",
-                                 reason="on demand: KVP_SLOW_DISK_E2E=1 (see README, Tests)")]
+                                 reason=f"no slow disk here: {slow_disk.unavailable()}")]
 
 RATE = 5 << 20  # bytes per second the server may read from the cache's device
 DEADLINE_S = 5.0  # the plain lookup deadline (KVP_LOOKUP_TIMEOUT_S's default)

@@ -40,6 +40,9 @@ class PidRecord:
     command: str
     zmq_port: int
     http_port: int
+    #: The server's log relay (:mod:`kvpersist.serving.log_relay`); 0 when there is none
+    #: (``kvp-server run``, whose output goes to the journal) or the file predates it.
+    log_relay_pid: int = 0
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -101,6 +104,7 @@ def read_pid_file(path: Path) -> PidRecord | None:
             command=str(data["command"]),
             zmq_port=int(data["zmq_port"]),
             http_port=int(data["http_port"]),
+            log_relay_pid=int(data.get("log_relay_pid", 0)),
         )
     except (ValueError, KeyError, TypeError):
         raise PidFileError(

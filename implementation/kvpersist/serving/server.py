@@ -12,6 +12,8 @@ Invariants
 * The cache root, the runtime directory, the pid file and the log are private to the server's
   account (:mod:`kvpersist.serving.private_paths`): created so, and refused with a fix-it
   message when they are not.
+* A background server writes its output into a pipe drained by its log relay
+  (:mod:`kvpersist.serving.log_relay`): no server thread waits on the log's device.
 * The pid file names one process by pid *and* start time; stop never signals a process
   that is not the recorded one (see :mod:`kvpersist.pidfile`).
 * ``start`` returns only once ``/healthcheck`` answers 200, or fails and leaves no process
@@ -39,6 +41,7 @@ from ..config.environment import process_env
 from ..config.server import ServerSettings, access_warning
 from . import http
 from .lmcache_entry import SocketPathError, clear_stale_socket, remove_socket
+from .log_relay import start_log_relay, wait_gone
 from .pidfile import (
     PidRecord,
     PidState,
@@ -56,6 +59,8 @@ from .private_paths import (
 )
 
 HTTP_TIMEOUT_S = http.DEFAULT_TIMEOUT_S
+#: How long stop (or a failed start) waits for the log relay to write the server's last lines.
+RELAY_DRAIN_S = 5.0
 
 
 class ServerError(RuntimeError):
@@ -229,36 +234,43 @@ def _prepare_start(settings: ServerSettings) -> PidStatus | None:
     return stale
 
 
-def _pid_record(pid: int, settings: ServerSettings) -> PidRecord:
+def _pid_record(pid: int, settings: ServerSettings, log_relay_pid: int = 0) -> PidRecord:
     return PidRecord(pid, process_start_ticks(pid) or 0, "lmcache server", settings.zmq_port,
-                     settings.http_port)
+                     settings.http_port, log_relay_pid)
 
 
 def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = None) -> StartResult:
-    """Start the server in the background and wait for ``/healthcheck``."""
+    """Start the server in the background and wait for ``/healthcheck``.  Its output reaches
+    the log through a relay (:mod:`kvpersist.serving.log_relay`), so the server never waits on
+    the log's device."""
     stale = _prepare_start(settings)
     cmd = server_command(settings)
     began = time.monotonic()
     log = open_private_log(settings.log_file)
     try:
+        relay = start_log_relay(log)
+    finally:
+        os.close(log)
+    try:
         proc = subprocess.Popen(
             cmd,
             env=server_environment(env),
             stdin=subprocess.DEVNULL,
-            stdout=log,
+            stdout=relay.write_fd,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=settings.cache_root,
             umask=0o077,
         )
     finally:
-        os.close(log)
-    record = _pid_record(proc.pid, settings)
+        relay.release()
+    record = _pid_record(proc.pid, settings, relay.pid)
     write_pid_file(settings.pid_file, record)
     deadline = began + settings.start_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             remove_pid_file(settings.pid_file, record)
+            relay.drained(RELAY_DRAIN_S)
             raise ServerError(
                 f"the LMCache server exited with code {proc.returncode} during start; "
                 f"log {settings.log_file}:\n{_log_tail(settings.log_file)}"
@@ -270,6 +282,7 @@ def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = No
     with contextlib.suppress(ChildProcessError):
         proc.wait(timeout=1)
     remove_pid_file(settings.pid_file, record)
+    relay.drained(RELAY_DRAIN_S)
     raise ServerError(
         f"the LMCache server did not become healthy within {settings.start_timeout_s:.0f}s "
         f"(KVP_START_TIMEOUT_S); log {settings.log_file}:\n{_log_tail(settings.log_file)}"
@@ -349,6 +362,8 @@ def stop_server(settings: ServerSettings) -> StopResult:
         return StopResult(status, signalled=False, graceful=False)
     assert status.record is not None
     graceful = _terminate(status.record.pid, settings.stop_timeout_s)
+    if status.record.log_relay_pid:  # the server's last lines are in the log on return
+        wait_gone(status.record.log_relay_pid, RELAY_DRAIN_S)
     remove_pid_file(settings.pid_file, status.record)
     if settings.unix_sockets:  # the recorded server is gone: its socket files go too
         for path in (settings.request_socket, settings.http_socket):
