@@ -5,6 +5,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 bash scripts/bootstrap.sh
+bash scripts/install-glusterfs.sh  # the shared-tree tests; they skip, saying why, without it
 py="$here/.venv/bin/python"
 echo "== ruff"; "$py" -m ruff check implementation tests benchmarks
 echo "== mypy"; "$py" -m mypy

@@ -96,3 +96,44 @@ def test_value_parsers_refuse_booleans_as_numbers() -> None:
         values.positive_float("x", True)
     with pytest.raises(SettingsError):
         values.positive_int("x", False)
+
+
+def test_a_node_of_a_shared_tree_keeps_its_part_its_share_and_its_state_local(
+        tmp_path: Path) -> None:
+    from kvpersist.config.adapters import l2_adapter_config
+
+    tree, run = tmp_path / "tree", tmp_path / "run-a"
+    s = load_settings(environ={"KVP_CACHE_ROOT": str(tree), "KVP_NODE_ID": "node-a.1",
+                               "KVP_SHARED_NODES": "4", "KVP_CACHE_BUDGET_GB": "100",
+                               "KVP_RUNTIME_DIR": str(run)})
+    assert s.shared and s.tree == tree and s.cache_root == tree / "nodes" / "node-a.1"
+    assert s.node_budget_gb == 25
+    assert s.pid_file.parent == run and s.log_file.parent == run  # never on the shared tree
+    params = l2_adapter_config(s)["adapter_params"]
+    assert params["path"] == str(s.cache_root) and params["shared_tree"] == str(tree)
+    assert params["max_capacity_gb"] == "25"
+    config = KvPersistL2AdapterConfig.from_dict({**params, "max_capacity_gb": 25})
+    assert config.shared_tree == str(tree)
+    alone = load_settings(environ={"KVP_CACHE_ROOT": str(tree)})
+    assert not alone.shared and alone.cache_root == tree and alone.pid_file.parent == tree
+    assert "shared_tree" not in l2_adapter_config(alone)["adapter_params"]
+
+
+@pytest.mark.parametrize(("environ", "words"), [
+    ({"KVP_NODE_ID": "a/b"}, "KVP_NODE_ID='a/b' is not a node id"),
+    ({"KVP_NODE_ID": ".hidden"}, "is not a node id"),
+    ({"KVP_NODE_ID": "a"}, "needs KVP_RUNTIME_DIR on the node's local disk"),
+    ({"KVP_NODE_ID": "a", "KVP_RUNTIME_DIR": "{tree}/run"}, "outside KVP_CACHE_ROOT"),
+    ({"KVP_NODE_ID": "a", "KVP_RUNTIME_DIR": "/run/x", "KVP_L2_ADAPTER": "fs"},
+     "needs KVP_L2_ADAPTER=kvpersist"),
+    ({"KVP_SHARED_NODES": "2"}, "KVP_SHARED_NODES=2 needs KVP_NODE_ID"),
+    ({"KVP_NODE_ID": "a", "KVP_RUNTIME_DIR": "/run/x", "KVP_SHARED_NODES": "0"},
+     "KVP_SHARED_NODES"),
+])
+def test_bad_shared_tree_settings_say_what_to_do(tmp_path: Path, environ: dict[str, str],
+                                                  words: str) -> None:
+    tree = tmp_path / "tree"
+    env = {"KVP_CACHE_ROOT": str(tree),
+           **{k: v.replace("{tree}", str(tree)) for k, v in environ.items()}}
+    with pytest.raises(SettingsError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        load_settings(environ=env)

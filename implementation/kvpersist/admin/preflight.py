@@ -128,7 +128,7 @@ def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | No
                   environ: dict[str, str] | None = None) -> list[Check]:
     env = dict(os.environ if environ is None else environ)
     checks: list[Check] = []
-    budget = BudgetModel.from_gb(settings.budget_gb, settings.eviction_watermark,
+    budget = BudgetModel.from_gb(settings.node_budget_gb, settings.eviction_watermark,
                                  settings.eviction_ratio)
     root = settings.cache_root
     probe = existing_ancestor(root)

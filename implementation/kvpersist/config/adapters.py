@@ -6,6 +6,9 @@ Invariants
   from validated :class:`~kvpersist.config.server.ServerSettings` only, so an adapter config never
   carries an unvalidated value.
 * Every adapter config produced here keeps data on shutdown (``persist_enabled`` true).
+* On a shared tree (``KVP_NODE_ID``) the adapter's ``path`` is this node's part, its capacity
+  this node's share of ``KVP_CACHE_BUDGET_GB``, and ``shared_tree`` the tree whose other parts
+  it reads.
 * Lossless only: a ``serde`` block (LMCache's codecs around an L2 adapter) is accepted only
   when its type is in :data:`LOSSLESS_SERDES`; a lossy codec (fp8, turboquant, ...) would hand
   back KV that differs from what was computed, which is a wrong token, so it is refused
@@ -48,7 +51,7 @@ def _numeric_text(value: float) -> str:
 def _substitutions(settings: ServerSettings) -> dict[str, str]:
     return {
         "KVP_CACHE_ROOT": str(settings.cache_root),
-        "KVP_CACHE_BUDGET_GB": _numeric_text(settings.budget_gb),
+        "KVP_CACHE_BUDGET_GB": _numeric_text(settings.node_budget_gb),
         "KVP_EVICTION_WATERMARK": _numeric_text(settings.eviction_watermark),
         "KVP_EVICTION_RATIO": _numeric_text(settings.eviction_ratio),
         "KVP_L2_SHARDED": "true" if settings.l2_sharded else "false",
@@ -105,6 +108,8 @@ def l2_adapter_config(settings: ServerSettings) -> dict[str, Any]:
     if config.get("persist_enabled") is False:
         raise SettingsError(f"adapter {settings.l2_adapter!r} has persist_enabled=false")
     assert isinstance(config, dict)
+    if settings.shared:  # this node's part is the path; the tree is where the others are
+        config["adapter_params"]["shared_tree"] = str(settings.tree)
     if settings.l2_serde is not None:
         config["serde"] = dict(settings.l2_serde)
     refuse_lossy_serde(config, f"the {settings.l2_adapter} L2 adapter config")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import grp
 import json
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ DEFAULTS: dict[str, str] = {
     "KVP_RUNTIME_DIR": "",
     "KVP_ACCESS_GROUP": "",
     "KVP_L2_SERDE": "",
+    "KVP_NODE_ID": "",
+    "KVP_SHARED_NODES": "1",
 }
 
 #: ``unix``: sockets in a private directory (the default); ``tcp``: open loopback ports (opt-in).
@@ -64,6 +67,9 @@ HTTP_SOCKET_NAME = "http.sock"
 
 PID_FILE_NAME = "lmcache-server.pid"
 LOG_FILE_NAME = "lmcache-server.log"
+#: In a shared tree, node ``<id>`` keeps its files under ``<KVP_CACHE_ROOT>/nodes/<id>``.
+NODES_DIR_NAME = "nodes"
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def parse_env_file(path: Path) -> dict[str, str]:
@@ -96,6 +102,25 @@ class ServerSettings:
     runtime_dir: Path | None = None
     access_group: str | None = None
     l2_serde: Mapping[str, Any] | None = None
+    node_id: str | None = None
+    shared_nodes: int = 1
+    #: ``KVP_CACHE_ROOT`` as given: the tree every node mounts (equal to ``cache_root`` unless
+    #: ``node_id`` is set, where ``cache_root`` is this node's part of it).
+    tree_root: Path | None = None
+
+    @property
+    def shared(self) -> bool:
+        """Several nodes share the tree (``KVP_NODE_ID`` is set)."""
+        return self.node_id is not None
+
+    @property
+    def tree(self) -> Path:
+        return self.tree_root or self.cache_root
+
+    @property
+    def node_budget_gb(self) -> float:
+        """This node's hard cap: its equal share of the tree's budget."""
+        return self.budget_gb / self.shared_nodes
 
     @property
     def unix_sockets(self) -> bool:
@@ -127,12 +152,18 @@ class ServerSettings:
         return f"{self.zmq_url}:{self.zmq_port}"
 
     @property
+    def node_state_dir(self) -> Path:
+        """Where the pid file and the log live: the cache root, or on a shared tree the node's
+        local runtime directory (another node must never read this node's pid as its own)."""
+        return self.socket_dir if self.shared else self.cache_root
+
+    @property
     def pid_file(self) -> Path:
-        return self.cache_root / PID_FILE_NAME
+        return self.node_state_dir / PID_FILE_NAME
 
     @property
     def log_file(self) -> Path:
-        return self.cache_root / LOG_FILE_NAME
+        return self.node_state_dir / LOG_FILE_NAME
 
     @property
     def http_url(self) -> str:
@@ -176,8 +207,10 @@ def load_settings(
     root_raw = merged["KVP_CACHE_ROOT"].strip()
     if not root_raw:
         raise SettingsError("KVP_CACHE_ROOT is empty; set it to a directory on the NVMe tier")
+    tree = Path(root_raw).expanduser().absolute()
+    node_id = _node_id(merged["KVP_NODE_ID"])
     settings = ServerSettings(
-        cache_root=Path(root_raw).expanduser().absolute(),
+        cache_root=tree if node_id is None else tree / NODES_DIR_NAME / node_id,
         l1_size_gb=values.positive_float("KVP_L1_SIZE_GB", merged["KVP_L1_SIZE_GB"]),
         budget_gb=values.positive_float("KVP_CACHE_BUDGET_GB", merged["KVP_CACHE_BUDGET_GB"]),
         bind_host=values.host("KVP_BIND_HOST", merged["KVP_BIND_HOST"]),
@@ -195,13 +228,45 @@ def load_settings(
                      if merged["KVP_RUNTIME_DIR"].strip() else None),
         access_group=merged["KVP_ACCESS_GROUP"].strip() or None,
         l2_serde=_serde("KVP_L2_SERDE", merged["KVP_L2_SERDE"]),
+        node_id=node_id,
+        shared_nodes=values.positive_int("KVP_SHARED_NODES", merged["KVP_SHARED_NODES"]),
+        tree_root=tree,
     )
+    _check_shared(settings)
     _check_access(settings)
     if settings.zmq_port == settings.http_port:
         raise SettingsError(
             f"KVP_ZMQ_PORT and KVP_HTTP_PORT are both {settings.zmq_port}; they must differ"
         )
     return settings
+
+
+def _node_id(raw: str) -> str | None:
+    value = raw.strip()
+    if not value:
+        return None
+    if not _NODE_ID.fullmatch(value):
+        raise SettingsError(f"KVP_NODE_ID={value!r} is not a node id: 1-64 letters, digits, '.', "
+                            "'_' or '-', starting with a letter or digit (e.g. the host name)")
+    return value
+
+
+def _check_shared(settings: ServerSettings) -> None:
+    if not settings.shared:
+        if settings.shared_nodes != 1:
+            raise SettingsError(f"KVP_SHARED_NODES={settings.shared_nodes} needs KVP_NODE_ID: "
+                                "give each node of the shared tree its own id")
+        return
+    if settings.l2_adapter != "kvpersist":
+        raise SettingsError(f"KVP_NODE_ID (a shared tree) needs KVP_L2_ADAPTER=kvpersist, not "
+                            f"{settings.l2_adapter!r}: only it keeps per-node parts and "
+                            "verifies what other nodes wrote")
+    runtime = settings.runtime_dir
+    if runtime is None or runtime == settings.tree or settings.tree in runtime.parents:
+        raise SettingsError(
+            "KVP_NODE_ID (a shared tree) needs KVP_RUNTIME_DIR on the node's local disk, outside "
+            f"KVP_CACHE_ROOT={settings.tree}: the sockets, the pid file and the log belong to "
+            "one node (e.g. KVP_RUNTIME_DIR=/run/kvpersist)")
 
 
 def _serde(name: str, raw: str) -> dict[str, Any] | None:

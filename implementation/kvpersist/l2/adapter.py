@@ -54,7 +54,7 @@ _T = TypeVar("_T")
 
 
 _KNOWN_PARAMS = {"path", "max_capacity_gb", "sharded", "fsync", "io_threads", "file_threads",
-                 "quarantine_max_files"}
+                 "quarantine_max_files", "shared_tree", "shared_negative_ttl_s"}
 
 
 class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
@@ -62,7 +62,8 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
 
     def __init__(self, path: str, max_capacity_gb: float, *, sharded: bool = False,
                  fsync: bool = False, io_threads: int = 4, file_threads: int = 16,
-                 quarantine_max_files: int = 1024) -> None:
+                 quarantine_max_files: int = 1024, shared_tree: str | None = None,
+                 shared_negative_ttl_s: float = 2.0) -> None:
         self.path = path
         self.max_capacity_gb = max_capacity_gb
         self.sharded = sharded
@@ -70,6 +71,8 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         self.io_threads = io_threads
         self.file_threads = file_threads
         self.quarantine_max_files = quarantine_max_files
+        self.shared_tree = shared_tree
+        self.shared_negative_ttl_s = shared_negative_ttl_s
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvPersistL2AdapterConfig:
@@ -80,6 +83,9 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         path = d.get("path")
         if not isinstance(path, str) or not path:
             raise ValueError("kvpersist L2 adapter: path must be a non-empty string")
+        shared_tree = d.get("shared_tree")
+        if shared_tree is not None and (not isinstance(shared_tree, str) or not shared_tree):
+            raise ValueError("kvpersist L2 adapter: shared_tree must be a non-empty string")
         try:
             return cls(
                 path,
@@ -90,6 +96,9 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                 file_threads=values.positive_int("file_threads", d.get("file_threads", 16)),
                 quarantine_max_files=values.positive_int(
                     "quarantine_max_files", d.get("quarantine_max_files", 1024)),
+                shared_tree=shared_tree,
+                shared_negative_ttl_s=values.positive_float(
+                    "shared_negative_ttl_s", d.get("shared_negative_ttl_s", 2.0)),
             )
         except SettingsError as exc:
             raise ValueError(f"kvpersist L2 adapter: {exc}") from None
@@ -106,7 +115,11 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- io_threads (int): LMCache tasks (store, lookup, load) run at once (default 4)\n"
             "- file_threads (int): files read or written at once across all tasks, each read\n"
             "  verified as it arrives (default 16: many reads in flight for NVMe)\n"
-            "- quarantine_max_files (int): beyond this, corrupt files are removed, not kept"
+            "- quarantine_max_files (int): beyond this, corrupt files are removed, not kept\n"
+            "- shared_tree (str): the tree several nodes share; path is then this node's part\n"
+            "  (<tree>/nodes/<id>), and keys it lacks are read from the other parts (default none)\n"
+            "- shared_negative_ttl_s (float): how long a key missing from every other part is\n"
+            "  not looked for again (default 2.0)"
         )
 
 
@@ -138,7 +151,8 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._store = KvFileStore(
             config.path, int(config.max_capacity_gb * _GB), sharded=config.sharded,
             fsync=config.fsync, quarantine_max_files=config.quarantine_max_files,
-            on_added=self._announce_added, on_removed=self._announce_removed)
+            on_added=self._announce_added, on_removed=self._announce_removed,
+            shared_tree=config.shared_tree, shared_negative_ttl_s=config.shared_negative_ttl_s)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()

@@ -21,6 +21,7 @@ class StoreStats:
     stores: int = 0
     stored_bytes: int = 0
     store_exists: int = 0
+    store_exists_elsewhere: int = 0  # shared tree: another node's part has the key
     rejected_capacity: int = 0
     rejected_scanning: int = 0
     rejected_disk_full: int = 0
@@ -32,6 +33,8 @@ class StoreStats:
     read_bytes: int = 0  # payload bytes read so far, failed reads included (load progress)
     load_seconds: float = 0.0
     verify_seconds: float = 0.0
+    foreign_hits: int = 0  # shared tree: verified loads from another node's part
+    foreign_failures: int = 0  # shared tree: such files that failed to read or verify (misses)
     quarantined: int = 0
     evicted: int = 0
     temp_removed: int = 0

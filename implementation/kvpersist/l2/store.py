@@ -15,6 +15,11 @@ Invariants
   in :mod:`kvpersist.l2.index`.  While the start-up scan runs, stores are refused (counted as
   ``rejected_scanning``) and lookups are answered from the disk.
 * **One writer per root** (:mod:`kvpersist.l2.lock`).
+* **Shared tree** (``shared_tree``): this store's root is one node's part of a tree several
+  nodes mount; keys its index lacks are looked up read-only in the other parts
+  (:mod:`kvpersist.l2.shared_tree`).  The index, the byte count, eviction and quarantine cover
+  this node's part only, so each node's cap holds for the files it wrote; a key another node
+  holds is never stored again here ('exists').
 * :meth:`check` finds nothing wrong whenever no store, load or delete is in flight; every store
   test ends on it (python-diskcache's ``Cache.check()`` is the model).
 """
@@ -45,6 +50,7 @@ from .index import KeyIndex, KeysCallback, Reservation
 from .layout import QUARANTINE_DIR, FormatError, KeyFields, parse_name, shard_path_parts
 from .lock import RootLockedError, take_root_lock
 from .scan import scan_root
+from .shared_tree import SharedTree
 from .stats import StoreStats
 
 __all__ = ["KvFileStore", "RootLockedError", "StoreStats"]
@@ -71,6 +77,8 @@ class KvFileStore:
         quarantine_max_files: int = 1024,
         on_added: KeysCallback | None = None,
         on_removed: KeysCallback | None = None,
+        shared_tree: str | Path | None = None,
+        shared_negative_ttl_s: float = 2.0,
     ) -> None:
         self.root = Path(root)
         self.sharded = sharded
@@ -85,6 +93,9 @@ class KvFileStore:
         self._scan_seconds: float | None = None
         self._scanned_files = 0
         self._remove_temps = True
+        self.shared = None if shared_tree is None else SharedTree(
+            Path(shared_tree), self.root, lambda key: shard_path_parts(key, self.sharded),
+            negative_ttl_s=shared_negative_ttl_s)
 
     @property
     def capacity_bytes(self) -> int:
@@ -161,7 +172,12 @@ class KvFileStore:
     # ------------------------------------------------------------------ lookup
 
     def contains(self, key: KeyFields) -> bool:
-        """True if a file for ``key`` is known (or, during the scan, present on disk)."""
+        """True if a file for ``key`` is known (or, during the scan, present on disk), here or,
+        on a shared tree, in another node's part."""
+        return self._contains_here(key) or (self.shared is not None
+                                            and self.shared.find(key) is not None)
+
+    def _contains_here(self, key: KeyFields) -> bool:
         if key in self.index:
             return True
         if self.index.complete:
@@ -179,6 +195,9 @@ class KvFileStore:
         """Publish ``payload`` for ``key``.  Returns 'stored', 'exists' or a rejection tag."""
         data = memoryview(payload).cast("B")
         size = HEADER_SIZE + data.nbytes
+        if key not in self.index and self.shared is not None and self.shared.find(key):
+            self.stats.add(store_exists_elsewhere=1)  # one copy in the tree is enough
+            return "exists"
         granted = self.index.reserve(key, size)
         if granted is not Reservation.GRANTED:
             self.stats.add(**{_REFUSAL_COUNTER[granted]: 1})
@@ -215,6 +234,8 @@ class KvFileStore:
 
     def read_into(self, key: KeyFields, buf: Any) -> bool:
         """Fill ``buf`` with the verified payload of ``key``; False (a miss) otherwise."""
+        if (self.shared is not None and self.index.complete and key not in self.index):
+            return self._read_elsewhere(key, buf)
         began = time.perf_counter()
         path = self.path_for(key)
         out = memoryview(buf).cast("B")
@@ -222,6 +243,8 @@ class KvFileStore:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             self.index.remove(key)  # vanished (cleanup, eviction race): an ordinary miss
+            if self.shared is not None:
+                return self._read_elsewhere(key, buf)
             self.stats.add(loads=1, load_misses=1)
             return False
         try:
@@ -240,6 +263,38 @@ class KvFileStore:
         with contextlib.suppress(OSError):
             os.utime(path)  # last access, so the LRU order survives restarts
         self.stats.add(loads=1, load_hits=1, loaded_bytes=out.nbytes,
+                       verify_seconds=verify_seconds,
+                       load_seconds=time.perf_counter() - began)
+        return True
+
+    def _read_elsewhere(self, key: KeyFields, buf: Any) -> bool:
+        """Read ``key`` from another node's part: verified like any read; any failure is a miss
+        and leaves that file alone (its owner may be replacing or evicting it)."""
+        assert self.shared is not None
+        began = time.perf_counter()
+        path = self.shared.find(key)
+        if path is None:
+            self.stats.add(loads=1, load_misses=1)
+            return False
+        out = memoryview(buf).cast("B")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            self.shared.forget(key)
+            self.stats.add(loads=1, load_misses=1)
+            return False
+        try:
+            verify_seconds = read_verified(fd, key, out, self._count_read)
+        except (FormatError, OSError) as exc:
+            self.shared.forget(key)
+            logger.warning("kvpersist L2: %s from another node is a miss: %s", path.name, exc)
+            self.stats.add(loads=1, load_misses=1, foreign_failures=1)
+            return False
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # the owner's LRU order sees this read after its next restart
+        self.stats.add(loads=1, load_hits=1, loaded_bytes=out.nbytes, foreign_hits=1,
                        verify_seconds=verify_seconds,
                        load_seconds=time.perf_counter() - began)
         return True
@@ -306,6 +361,7 @@ class KvFileStore:
             **self.stats.as_dict(),
             "quarantine_files": quarantine_files,
             "quarantine_bytes": quarantine_bytes,
+            **({} if self.shared is None else {"shared_tree": self.shared.status()}),
         }
 
     def check(self, *, deep: bool = False) -> list[str]:

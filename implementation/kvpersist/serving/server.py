@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 
 from ..config.adapters import l2_adapter_config
 from ..config.environment import process_env
-from ..config.server import ServerSettings, access_warning
+from ..config.server import NODES_DIR_NAME, ServerSettings, access_warning
 from . import http
 from .lmcache_entry import SocketPathError, clear_stale_socket, remove_socket
 from .log_relay import start_log_relay, wait_gone
@@ -161,8 +161,32 @@ def prepare_cache_root(root: Path) -> None:
         ) from None
 
 
+def check_node_shares(settings: ServerSettings) -> None:
+    """A shared tree holds at most ``KVP_SHARED_NODES`` node parts, this node's included: each
+    part is capped at one share, so the tree stays within ``KVP_CACHE_BUDGET_GB`` only then.
+    A retired node's part still holds files, so it still counts."""
+    nodes = settings.tree / NODES_DIR_NAME
+    try:
+        others = sorted(e.name for e in os.scandir(nodes)
+                        if e.is_dir(follow_symlinks=False) and e.name != settings.node_id)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ServerError(f"cannot list {nodes} ({exc.strerror}); is the shared tree mounted?"
+                          ) from None
+    if len(others) + 1 > settings.shared_nodes:
+        raise ServerError(
+            f"the shared tree {settings.tree} already has parts for {len(others)} other node(s) "
+            f"({', '.join(others)}); with node {settings.node_id} that is more than "
+            f"KVP_SHARED_NODES={settings.shared_nodes}, and the tree could exceed "
+            "KVP_CACHE_BUDGET_GB. Raise KVP_SHARED_NODES on every node, or remove a retired "
+            "node's part (kvp-admin tree shows which are live)")
+
+
 def check_preconditions(settings: ServerSettings) -> PidStatus:
     """Everything ``start`` needs, checked before spawning.  Returns the pid-file status."""
+    if settings.shared:
+        check_node_shares(settings)
     prepare_cache_root(settings.cache_root)
     try:
         check_private_file(settings.pid_file, "the pid file")

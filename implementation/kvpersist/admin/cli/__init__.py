@@ -21,12 +21,13 @@ from . import (
     recovery_cmd,
     report_cmd,
     server_cmd,
+    tree_cmd,
     verify_cmd,
 )
 
 # Subcommands in the order `kvp-admin --help` lists them; each module registers its own parser(s).
-COMMANDS = (identity_cmd, server_cmd, report_cmd, preflight_cmd, cleanup_cmd, quota_cmd, verify_cmd,
-            recovery_cmd)
+COMMANDS = (identity_cmd, server_cmd, report_cmd, tree_cmd, preflight_cmd, cleanup_cmd, quota_cmd,
+            verify_cmd, recovery_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

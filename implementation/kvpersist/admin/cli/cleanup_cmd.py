@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from ...l2.lock import root_lock_holder
 from ..budget import QuotaError, check_namespace, load_quotas, quota_bytes
 from ..cleanup import apply_cleanup
 from ..progress import stderr_progress
@@ -55,6 +56,13 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     if args.apply:
         server_up = active_namespaces_from_server(settings.http_url) is not None
         server_url = settings.http_url if server_up else None
+        holder = root_lock_holder(settings.cache_root) if settings.shared else None
+        if holder is not None and not server_up:
+            print(f"kvp-admin cleanup: node {settings.node_id}'s part {settings.cache_root} is "
+                  f"served by {holder}, a live server this node cannot reach; run the cleanup "
+                  "on that node (its server keeps its index right), or stop it first",
+                  file=sys.stderr)
+            return EXIT_ERROR
         progress = stderr_progress("cleanup: deleting", len(plan))
         try:
             res = apply_cleanup(plan, settings.cache_root, server_url=server_url, progress=progress)

@@ -40,7 +40,7 @@ def _report_data(args: argparse.Namespace, label: str) -> tuple[dict[str, Any], 
         print(f"kvp-admin {label}: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_ERROR) from None
     inv = inventory_or_exit(settings, label)
-    budget = BudgetModel.from_gb(settings.budget_gb, settings.eviction_watermark,
+    budget = BudgetModel.from_gb(settings.node_budget_gb, settings.eviction_watermark,
                                  settings.eviction_ratio)
     data = build_report(inv, budget, quotas, active)
     data["active_source"] = source

@@ -27,7 +27,7 @@ from .common import (
 
 def cmd_check(settings: ServerSettings, as_json: bool) -> int:
     """The store's consistency oracle on a root no server serves (it takes the root's lock)."""
-    store = KvFileStore(settings.cache_root, int(settings.budget_gb * GIB),
+    store = KvFileStore(settings.cache_root, int(settings.node_budget_gb * GIB),
                         sharded=settings.l2_sharded)
     try:
         store.open(background_scan=False, remove_temps=False)

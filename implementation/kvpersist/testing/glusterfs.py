@@ -1,0 +1,182 @@
+"""A real GlusterFS volume for shared-tree tests: glusterd on 127.0.0.2, a two-brick volume on
+local directories, mounted several times through FUSE as the nodes of a cluster would mount it.
+
+Facts this relies on (measured on this machine kind, see issue 13): glusterd refuses 127.0.0.1 and
+``localhost`` but runs on 127.0.0.2 (all of 127/8 is loopback); the ``gluster`` command must talk
+to glusterd over its local socket (a ``--remote-host`` CLI is read-only); PID 1 is not systemd, so
+the daemons are started directly; bricks on the root file system need ``force``.
+
+Invariants: everything started here is stopped and unmounted on exit, also when a test fails;
+:func:`unavailable` says why no volume can be made (not root, GlusterFS not installed, no FUSE),
+and the tests skip with that reason.  Needs the packages ``glusterfs-server glusterfs-client``
+(``scripts/install-glusterfs.sh``, run by ``scripts/test.sh``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.2"
+#: The caching translators that let a mount serve stale data (seen: a stale version for ~1 s).
+CACHING_TRANSLATORS = ("performance.stat-prefetch", "performance.quick-read",
+                       "performance.io-cache", "performance.read-ahead",
+                       "performance.open-behind", "performance.readdir-ahead")
+COHERENT_MOUNT_OPTIONS = "entry-timeout=0,attribute-timeout=0,negative-timeout=0"
+_GLUSTERD_VOL = """volume management
+    type mgmt/glusterd
+    option working-directory {workdir}
+    option transport.socket.bind-address {host}
+    option transport-type socket
+    option transport.socket.listen-port 24007
+    option ping-timeout 0
+    option event-threads 1
+    option max-port 60999
+end-volume
+"""
+
+
+def unavailable() -> str | None:
+    """Why no GlusterFS volume can be made here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (glusterd, FUSE mounts)"
+    for tool in ("glusterd", "gluster", "mount.glusterfs"):
+        if shutil.which(tool) is None:
+            return (f"{tool} is not installed (apt-get install glusterfs-server glusterfs-client; "
+                    "scripts/install-glusterfs.sh)")
+    if not Path("/dev/fuse").exists():
+        return "no /dev/fuse"
+    if Path("/var/run/glusterd.socket").exists() and _glusterd_running():
+        return "a glusterd already runs on this machine; the tests start their own"
+    return None
+
+
+def _glusterd_running() -> bool:
+    """A glusterd answers on its local socket (a dead one's socket file refuses)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        try:
+            sock.connect("/var/run/glusterd.socket")
+        except OSError:
+            return False
+    return True
+
+
+def gluster(*args: str, timeout: float = 60.0) -> str:
+    """Run the ``gluster`` CLI (script mode); raises with its output on failure."""
+    proc = subprocess.run(["gluster", "--mode=script", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"gluster {' '.join(args)}: {proc.stdout}{proc.stderr}".strip())
+    return proc.stdout
+
+
+@dataclass
+class GlusterVolume:
+    name: str
+    workdir: Path
+    bricks: list[Path]
+    mounts: list[Path] = field(default_factory=list)
+
+    def brick_pids(self) -> dict[Path, int]:
+        """brick directory → its glusterfsd pid (from the volume's status)."""
+        pids: dict[Path, int] = {}
+        for brick in self.bricks:
+            pid_file = Path(f"/var/run/gluster/vols/{self.name}/"
+                            f"{HOST}-{str(brick).strip('/').replace('/', '-')}.pid")
+            with contextlib.suppress(OSError, ValueError):
+                pids[brick] = int(pid_file.read_text().strip())
+        return pids
+
+    def kill_brick(self, brick: Path) -> None:
+        """SIGKILL one brick's server, as a failed disk or node would stop it."""
+        pid = self.brick_pids()[brick]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def restart_bricks(self) -> None:
+        """``volume start <name> force``: brings killed bricks back."""
+        gluster("volume", "start", self.name, "force")
+
+    def mount(self, where: Path) -> Path:
+        where.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "glusterfs", "-o", COHERENT_MOUNT_OPTIONS,
+                        f"{HOST}:/{self.name}", str(where)], check=True, capture_output=True,
+                       timeout=60)
+        self.mounts.append(where)
+        return where
+
+
+@contextlib.contextmanager
+def gluster_volume(workdir: Path, *, mounts: int = 2, bricks: int = 2) -> Iterator[GlusterVolume]:
+    """A fresh volume of ``bricks`` bricks under ``workdir``, mounted ``mounts`` times at
+    ``workdir/mnt-<i>`` with the caching translators off; all undone on exit."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    state = workdir / "glusterd"
+    state.mkdir(exist_ok=True)
+    volfile = workdir / "glusterd.vol"
+    volfile.write_text(_GLUSTERD_VOL.format(workdir=state, host=HOST))
+    name = f"kvp{uuid.uuid4().hex[:8]}"
+    volume = GlusterVolume(name, workdir, [workdir / f"brick-{i}" for i in range(bricks)])
+    subprocess.run(["glusterd", "-f", str(volfile), "-p", str(workdir / "glusterd.pid"),
+                    "-l", str(workdir / "glusterd.log")], check=True, capture_output=True,
+                   timeout=60)
+    created = False
+    try:
+        _wait_for_glusterd()
+        for brick in volume.bricks:
+            brick.mkdir(exist_ok=True)
+        gluster("volume", "create", name, *(f"{HOST}:{b}" for b in volume.bricks), "force")
+        created = True
+        for option in CACHING_TRANSLATORS:
+            gluster("volume", "set", name, option, "off")
+        gluster("volume", "start", name)
+        for i in range(mounts):
+            volume.mount(workdir / f"mnt-{i}")
+        yield volume
+    finally:
+        for where in volume.mounts:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+        if created:
+            with contextlib.suppress(Exception):
+                gluster("volume", "stop", name, "force")
+            with contextlib.suppress(Exception):
+                gluster("volume", "delete", name)
+        for pid in volume.brick_pids().values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _stop_glusterd(workdir / "glusterd.pid")
+
+
+def _wait_for_glusterd(timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            gluster("volume", "list", timeout=10)
+            return
+        except (RuntimeError, subprocess.TimeoutExpired):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _stop_glusterd(pid_file: Path) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(pid_file.read_text().strip())
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,280 @@
+"""Two real LMCache servers with the kvpersist adapter, each on its own FUSE mount of one real
+GlusterFS volume, as two nodes would be: restore across nodes, one budget under concurrent
+stores, a brick killed and brought back, a node killed with -9, and ``kvp-admin`` from either
+node.  Needs GlusterFS (``scripts/install-glusterfs.sh``); skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist.atomic import temp_name
+from kvpersist.config.server import ServerSettings, load_settings
+from kvpersist.l2.format import HEADER_SIZE
+from kvpersist.l2.lock import root_lock_holder
+from kvpersist.serving.pidfile import check_pid_file
+from kvpersist.serving.server import ServerError, start_server, stop_server
+from kvpersist.testing import glusterfs
+from kvpersist.testing.helpers import adapter_status, clear_l1, l2_files, wait_for_l2_files
+from kvpersist.testing.lmcache_bench import BenchDriver
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(glusterfs.unavailable() is not None,
+                                 reason=f"no GlusterFS here: {glusterfs.unavailable()}")]
+MODEL = "org/model/kvp-" + "c" * 32
+CHUNK_FILE = HEADER_SIZE + 256 * 1024  # one 256-token chunk of the bench shape
+GIB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[glusterfs.GlusterVolume]:
+    with glusterfs.gluster_volume(tmp_path_factory.mktemp("gluster"), mounts=2) as vol:
+        yield vol
+
+
+class Nodes:
+    """Node ``a`` on mount 0 and node ``b`` on mount 1 of one tree; servers stopped at the end."""
+
+    def __init__(self, volume: glusterfs.GlusterVolume, local: Path, tree: str,
+                 **extra: str) -> None:
+        self.settings: dict[str, ServerSettings] = {}
+        for name, mount in zip("ab", volume.mounts, strict=True):
+            env = {"KVP_CACHE_ROOT": str(mount / tree), "KVP_NODE_ID": name,
+                   "KVP_SHARED_NODES": "2", "KVP_RUNTIME_DIR": str(local / f"run-{name}"),
+                   "KVP_L1_SIZE_GB": "1", "KVP_CACHE_BUDGET_GB": "1", **extra}
+            self.settings[name] = load_settings(environ=env)
+
+    def __getitem__(self, name: str) -> ServerSettings:
+        return self.settings[name]
+
+    def driver(self, name: str) -> BenchDriver:
+        s = self.settings[name]
+        return BenchDriver(s.request_url, s.http_url, MODEL)
+
+    def stop(self) -> None:
+        for s in self.settings.values():
+            stop_server(s)
+
+
+@pytest.fixture
+def nodes(volume: glusterfs.GlusterVolume, tmp_path: Path,
+          request: pytest.FixtureRequest) -> Iterator[Nodes]:
+    n = Nodes(volume, tmp_path, request.node.name[:40])
+    yield n
+    n.stop()
+
+
+def store(d: BenchDriver, s: ServerSettings, seq: int) -> list[str]:
+    sums = d.checksums(seq)
+    before = len(l2_files(s.cache_root))
+    assert d.store(seq)
+    wait_for_l2_files(s.cache_root, before + len(sums))
+    return sums
+
+
+def timed_restore(d: BenchDriver, seq: int, sums: list[str]) -> tuple[Any, float]:
+    began = time.monotonic()
+    trip = d.lookup_and_retrieve(seq, sums)
+    return trip, time.monotonic() - began
+
+
+def test_a_conversation_stored_on_node_a_is_restored_on_node_b(nodes: Nodes) -> None:
+    start_server(nodes["a"])
+    start_server(nodes["b"])
+    a = nodes.driver("a")
+    sums = store(a, nodes["a"], 1)
+    clear_l1(nodes["a"])
+    local, local_s = timed_restore(a, 1, sums)
+    assert (local.hit_chunks, local.retrieved_ok, local.checksums_match) == (4, True, True)
+    a.close()
+    b = nodes.driver("b")
+    remote, remote_s = timed_restore(b, 1, sums)
+    # Every full chunk from L2 through the other mount, byte-identical (checksums of the data).
+    assert (remote.hit_chunks, remote.retrieved_ok, remote.checksums_match) == (4, True, True)
+    status = adapter_status(nodes["b"])
+    assert status["foreign_hits"] == 4 and status["load_hits"] == 4
+    assert status["files"] == 0  # B wrote nothing: one copy in the tree
+    assert l2_files(nodes["b"].cache_root) == {}
+    # The cost of a lookup miss on the shared tree: one stat per other node, counted.
+    shared = status["shared_tree"]
+    before = shared["fs_ops"]
+    miss = b.lookup_and_retrieve(99, b.checksums(99))
+    assert miss.hit_chunks == 0
+    after = adapter_status(nodes["b"])["shared_tree"]
+    misses = after["missed"] - shared["missed"]
+    assert misses >= 1 and (after["fs_ops"] - before) <= misses * 1 + 1
+    b.close()
+    print(f"\nrestore of 4 chunks (1 MiB): local {local_s:.3f}s, other node {remote_s:.3f}s "
+          f"({remote_s / local_s:.2f}x); lookup miss: {(after['fs_ops'] - before) / misses:.1f} "
+          f"file-system ops per missed key with one other node")
+
+
+def test_concurrent_stores_of_two_nodes_stay_under_the_trees_budget(
+        volume: glusterfs.GlusterVolume, tmp_path: Path) -> None:
+    budget = 24 * CHUNK_FILE  # 12 chunks per node's share
+    nodes = Nodes(volume, tmp_path, "cap", KVP_CACHE_BUDGET_GB=repr(budget / GIB))
+    try:
+        start_server(nodes["a"])
+        start_server(nodes["b"])
+        results: dict[str, list[bool]] = {}
+
+        def fill(name: str, first: int) -> None:
+            d = nodes.driver(name)
+            results[name] = [d.store(seq) for seq in range(first, first + 8)]  # 32 chunks each
+            d.close()
+
+        threads = [threading.Thread(target=fill, args=(n, f)) for n, f in (("a", 100),
+                                                                            ("b", 200))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads)
+        time.sleep(2.0)  # stores acknowledged before their files: let them land
+        parts = {n: sum(p.stat().st_size for p in nodes[n].cache_root.glob("*.kvp"))
+                 for n in "ab"}
+        assert all(0 < used <= budget // 2 for used in parts.values()), parts
+        assert sum(parts.values()) <= budget
+        for n in "ab":
+            status = adapter_status(nodes[n])
+            assert status["used_bytes"] == parts[n]  # each node's count equals its part
+        report = kvp_admin(nodes["b"], "tree", "--json")
+        assert report["tree_bytes"] == sum(parts.values()) and report["within_budget"]
+        assert {x["node_id"]: x["live"] for x in report["nodes"]} == {"a": True, "b": True}
+    finally:
+        nodes.stop()
+
+
+def test_a_third_node_beyond_the_shares_is_refused(nodes: Nodes, tmp_path: Path) -> None:
+    start_server(nodes["a"])
+    start_server(nodes["b"])
+    third = load_settings(environ={
+        "KVP_CACHE_ROOT": str(nodes["a"].tree), "KVP_NODE_ID": "c", "KVP_SHARED_NODES": "2",
+        "KVP_RUNTIME_DIR": str(tmp_path / "run-c"), "KVP_L1_SIZE_GB": "1"})
+    with pytest.raises(ServerError, match="KVP_SHARED_NODES=2"):
+        start_server(third)
+    assert not (nodes["a"].tree / "nodes" / "c").exists()
+    # The same node id twice (two servers of one node) is refused by the part's lock.
+    twin = load_settings(environ={
+        "KVP_CACHE_ROOT": str(nodes["b"].tree), "KVP_NODE_ID": "a", "KVP_SHARED_NODES": "2",
+        "KVP_RUNTIME_DIR": str(tmp_path / "run-a2"), "KVP_L1_SIZE_GB": "1"})
+    with pytest.raises(ServerError, match="already served by another kvpersist L2 store"):
+        start_server(twin)
+
+
+def test_a_killed_brick_costs_misses_and_its_files_hit_again_when_back(
+        volume: glusterfs.GlusterVolume, nodes: Nodes) -> None:
+    start_server(nodes["a"])
+    start_server(nodes["b"])
+    a = nodes.driver("a")
+    sums = {seq: store(a, nodes["a"], seq) for seq in (1, 2)}
+    a.close()
+    volume.kill_brick(volume.bricks[0])
+    try:
+        b = nodes.driver("b")
+        began = time.monotonic()
+        trips = {seq: b.lookup_and_retrieve(seq, s) for seq, s in sums.items()}
+        elapsed = time.monotonic() - began
+        # A request completes, with some chunks on the dead brick missing; never wrong bytes.
+        assert all(t.checksums_match and t.retrieved_ok for t in trips.values())
+        assert sum(t.hit_chunks for t in trips.values()) < 8
+        assert elapsed < 60, elapsed
+        stored = b.store(3)  # a store to the degraded volume returns; it does not hang
+        b.close()
+        print(f"\nbrick down: {sum(t.hit_chunks for t in trips.values())}/8 chunks hit, "
+              f"{elapsed:.2f}s for both requests; store during the outage acknowledged={stored}")
+    finally:
+        volume.restart_bricks()
+    deadline = time.monotonic() + 60
+    while True:
+        b = nodes.driver("b")
+        clear_l1(nodes["b"])
+        trips = {seq: b.lookup_and_retrieve(seq, s) for seq, s in sums.items()}
+        b.close()
+        if all(t.hit_chunks == 4 for t in trips.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)  # the shared-tree negative cache and the brick's reconnect
+    assert all((t.hit_chunks, t.checksums_match) == (4, True) for t in trips.values())
+
+
+def test_a_node_killed_with_9_its_files_still_serve_and_its_leftovers_are_cleaned(
+        nodes: Nodes) -> None:
+    start_server(nodes["a"])
+    start_server(nodes["b"])
+    a = nodes.driver("a")
+    sums = store(a, nodes["a"], 1)
+    a.close()
+    record = check_pid_file(nodes["a"].pid_file).record
+    assert record is not None
+    leftover = temp_name(next(iter(nodes["a"].cache_root.glob("*.kvp"))))
+    leftover.write_bytes(b"x" * 4096)  # what a writer killed mid-store leaves
+    os.utime(leftover, (time.time() - 3600, time.time() - 3600))
+    assert root_lock_holder(nodes["a"].cache_root) is not None
+    os.kill(record.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while root_lock_holder(nodes["a"].cache_root) is not None:  # the lock dies with it
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    b = nodes.driver("b")
+    trip = b.lookup_and_retrieve(1, sums)
+    b.close()
+    assert (trip.hit_chunks, trip.checksums_match) == (4, True)
+    # From node b, a cleanup of a's part (dead, so its lock is free) removes the leftover.
+    out = kvp_admin(nodes["a"], "cleanup", "--apply", "--active", MODEL.rsplit("/", 1)[1],
+                    "--min-temp-age", "60", "--json")
+    assert out["by_class"].get("temp", {}).get("files") == 1, out
+    assert not leftover.exists()
+    assert len(l2_files(nodes["a"].cache_root, (".kvp",))) == 4  # live files of a are kept
+
+
+def test_kvp_admin_from_either_node_sees_the_tree_and_refuses_to_clean_a_live_part(
+        nodes: Nodes) -> None:
+    start_server(nodes["a"])
+    start_server(nodes["b"])
+    a = nodes.driver("a")
+    store(a, nodes["a"], 1)
+    a.close()
+    from kvpersist.identity.records import RECORDS_DIR
+    (nodes["a"].cache_root / RECORDS_DIR).mkdir(exist_ok=True)
+    views = [kvp_admin(nodes[n], "tree", "--json") for n in "ab"]
+    def without_paths(view: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in x.items() if k != "root"} for x in view["nodes"]]
+
+    assert without_paths(views[0]) == without_paths(views[1])  # the same tree from a and b
+    by_node = {x["node_id"]: x for x in views[0]["nodes"]}
+    assert by_node["a"]["files"] == 4 and by_node["a"]["live"]
+    assert by_node["a"]["holder"].startswith(f"{check_pid_file(nodes['a'].pid_file).record.pid}@")
+    # Node a's part, from node b's side: a live server b cannot reach holds it: refused.
+    env = {"KVP_CACHE_ROOT": str(nodes["b"].tree), "KVP_NODE_ID": "a",
+           "KVP_SHARED_NODES": "2", "KVP_RUNTIME_DIR": str(nodes["b"].socket_dir / "elsewhere")}
+    proc = run_admin(env, "cleanup", "--apply", "--no-active", "--target-gb", "0")
+    assert proc.returncode == 1 and "a live server this node cannot reach" in proc.stderr
+    assert len(l2_files(nodes["a"].cache_root, (".kvp",))) == 4
+    # The report of a's part works from b (read-only).
+    report = json.loads(run_admin(env, "report", "--json").stdout)
+    assert sum(r["files"] for r in report["namespaces"]) == 4
+
+
+def run_admin(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpersist.admin.cli", *args],
+                          env={**os.environ, "KVP_L1_SIZE_GB": "1", **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+def kvp_admin(s: ServerSettings, *args: str) -> Any:
+    env = {"KVP_CACHE_ROOT": str(s.tree), "KVP_NODE_ID": str(s.node_id),
+           "KVP_SHARED_NODES": str(s.shared_nodes), "KVP_RUNTIME_DIR": str(s.socket_dir),
+           "KVP_CACHE_BUDGET_GB": repr(s.budget_gb)}
+    proc = run_admin(env, *args)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
