@@ -247,12 +247,61 @@ def test_filesystem_detection(tmp_path: Path) -> None:
     assert fs_type(Path("/mnt/weka/tmp/x"), str(mounts)) == ("tmpfs", "/mnt/weka/tmp")
     assert fs_type(Path("/srv"), str(mounts)) == ("ext4", "/")
     nfs = filesystem_check(Path("/mnt/nfs/cache"), production=True, mounts=str(mounts))
-    assert nfs.level == "warn" and "atomic rename" in nfs.message
+    assert nfs.level == "warn" and "KVP_NODE_ID" in nfs.message and "acregmax=60s" in nfs.message
     weka = filesystem_check(Path("/mnt/weka/cache"), production=True, mounts=str(mounts))
     assert "GDS" in weka.message and "--gpu-memory-utilization" in weka.message
     tmp = filesystem_check(Path("/mnt/weka/tmp/x"), production=True, mounts=str(mounts))
     assert tmp.level == "warn"
     assert filesystem_check(Path("/mnt/weka/tmp/x"), production=False, mounts=str(mounts)).level == "ok"
+
+
+SHARED_MOUNTS = (
+    "/dev/vda / ext4 rw 0 0\n"
+    "127.0.0.2:/kv /mnt/gl fuse.glusterfs rw,relatime,user_id=0,allow_other 0 0\n"
+    "srv:/export /mnt/nfs nfs4 rw,vers=4.2,acregmin=3,acregmax=60,lookupcache=all 0 0\n"
+    "srv:/export /mnt/nfs-noac nfs4 rw,noac 0 0\n"
+    "10.0.0.1@tcp:/fs /mnt/lustre lustre rw,flock 0 0\n"
+    "10.0.0.1@tcp:/fs /mnt/lustre-local lustre rw,localflock 0 0\n"
+    "10.0.0.1/default /mnt/weka wekafs rw 0 0\n"
+    "10.0.0.1:6789:/ /mnt/ceph ceph rw,name=admin 0 0\n"
+    "gpfs0 /gpfs/fs0 gpfs rw 0 0\n")
+
+
+@pytest.mark.parametrize(("where", "level", "words"), [
+    ("/mnt/gl/tree", "warn", "attribute-timeout=1"),  # glusterfs defaults: 1 s late
+    ("/mnt/nfs/tree", "warn", "acregmax=60s"),
+    ("/mnt/nfs-noac/tree", "ok", "no attribute caching"),
+    ("/mnt/lustre/tree", "ok", "flock enabled"),
+    ("/mnt/lustre-local/tree", "error", "remount with -o flock"),
+    ("/mnt/weka/tree", "warn", "GDS profile"),
+    ("/mnt/ceph/tree", "ok", "capabilities"),
+    ("/gpfs/fs0/tree", "ok", "token locks"),
+])
+def test_preflight_knows_shared_file_systems(tmp_path: Path, where: str, level: str,
+                                             words: str) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text(SHARED_MOUNTS)
+    check = filesystem_check(Path(where), production=True, mounts=str(mounts), shared=True,
+                             proc=tmp_path / "no-proc")
+    assert (check.level, words in check.message) == (level, True), check.message
+    assert "shared by nodes" in check.message
+    alone = filesystem_check(Path(where), production=True, mounts=str(mounts), shared=False,
+                             proc=tmp_path / "no-proc")
+    assert alone.level in ("warn", "error") and "KVP_NODE_ID" in alone.message
+
+
+def test_preflight_reads_the_glusterfs_clients_timeouts(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text(SHARED_MOUNTS)
+    client = tmp_path / "proc" / "4242"
+    client.mkdir(parents=True)
+    (client / "cmdline").write_bytes(b"\0".join([
+        b"/usr/sbin/glusterfs", b"--attribute-timeout=0", b"--entry-timeout=0",
+        b"--negative-timeout=0", b"--volfile-server=127.0.0.2", b"--volfile-id=/kv",
+        b"/mnt/gl"]) + b"\0")
+    check = filesystem_check(Path("/mnt/gl/tree"), production=True, mounts=str(mounts),
+                             shared=True, proc=tmp_path / "proc")
+    assert check.level == "ok" and "seen at once" in check.message
 
 
 def test_verify_check_is_the_store_oracle(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -278,3 +278,12 @@ def kvp_admin(s: ServerSettings, *args: str) -> Any:
     proc = run_admin(env, *args)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+def test_preflight_on_the_real_mount_reads_its_client_options(nodes: Nodes) -> None:
+    from kvpersist.admin.preflight import filesystem_check
+
+    check = filesystem_check(nodes["a"].tree, production=True, shared=True)
+    # The test mounts set every FUSE timeout to 0 (glusterfs.COHERENT_MOUNT_OPTIONS).
+    assert check.level == "ok", check.message
+    assert "fuse.glusterfs" in check.message and "attribute-timeout=0" in check.message

@@ -22,6 +22,7 @@ from ..identity import FIELDS, IdentityError, load_pins
 from ..serving.private_paths import PrivatePathError, check_private_dir
 from ..serving.server import is_healthy, port_is_free
 from .budget import BudgetModel, device_ceiling
+from .shared_fs import SHARED_FS, describe_mount, gluster_client_options, mount_options
 
 LOCAL_FS_OK = {"ext4", "xfs", "btrfs", "zfs", "f2fs", "ext3", "bcachefs"}
 TEST_ONLY_FS = {"tmpfs", "overlay", "overlayfs", "ramfs"}
@@ -38,23 +39,29 @@ class Check:
     message: str
 
 
-def fs_type(path: Path, mounts: str = "/proc/mounts") -> tuple[str, str]:
-    """(fs type, mount point) of ``path`` from the longest matching mount point."""
+def mount_entry(path: Path, mounts: str = "/proc/mounts") -> tuple[str, str, str]:
+    """(fs type, mount point, options) of ``path`` from the longest matching mount point."""
     target = str(path.resolve() if path.exists() else Path(os.path.abspath(path)))
-    best = ("unknown", "")
+    best = ("unknown", "", "")
     try:
         lines = Path(mounts).read_text().splitlines()
     except OSError:
         return best
     for line in lines:
         parts = line.split()
-        if len(parts) < 3:
+        if len(parts) < 4:
             continue
         mount = parts[1].replace("\\040", " ")
         inside = target == mount or target.startswith(mount.rstrip("/") + "/") or mount == "/"
         if inside and len(mount) >= len(best[1]):
-            best = (parts[2], mount)
+            best = (parts[2], mount, parts[3])
     return best
+
+
+def fs_type(path: Path, mounts: str = "/proc/mounts") -> tuple[str, str]:
+    """(fs type, mount point) of ``path`` from the longest matching mount point."""
+    kind, mount, _ = mount_entry(path, mounts)
+    return kind, mount
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -64,25 +71,36 @@ def existing_ancestor(path: Path) -> Path:
     return p
 
 
-def filesystem_check(root: Path, *, production: bool, mounts: str = "/proc/mounts") -> Check:
-    kind, mount = fs_type(root, mounts)
+def filesystem_check(root: Path, *, production: bool, mounts: str = "/proc/mounts",
+                     shared: bool = False, proc: Path = Path("/proc")) -> Check:
+    """``shared``: the tree is meant to be shared by nodes (``KVP_NODE_ID`` is set)."""
+    kind, mount, option_text = mount_entry(root, mounts)
     where = f"{root} is on {kind} (mounted at {mount})"
-    if kind == "wekafs":
+    if kind in SHARED_FS:
+        options = mount_options(option_text)
+        if SHARED_FS[kind] == "glusterfs":
+            options.update(gluster_client_options(mount, proc))
+        view = describe_mount(kind, mount, options)
+        if shared:
+            return Check("filesystem", view.level, f"{where}, shared by nodes: {view.message}")
+        return Check("filesystem", "error" if view.level == "error" else "warn",
+                     f"{where}: a file system several nodes can mount, used by one node. To "
+                     "share the tree, give each node KVP_NODE_ID (and KVP_SHARED_NODES); "
+                     f"otherwise keep one server per tree. {view.message}")
+    if shared:
         return Check("filesystem", "warn",
-                     f"{where}: use the GDS profile: KVP_L2_ADAPTER=nixl_store_dynamic with backend "
-                     "GDS (or GDS_MT) and GDS forced on, as LMCache's GDS backend does on wekafs; "
-                     "budget the GDS buffer against --gpu-memory-utilization (start with 8 GiB "
-                     "and 0.85 on an 80 GiB GPU). The kvpersist adapter's rename atomicity and "
-                     "root lock hold on one host only")
+                     f"{where}: KVP_NODE_ID is set but this is not a shared file system; other "
+                     "nodes cannot see this tree (fine for several servers on one host)")
     if kind in TEST_ONLY_FS:
         return Check("filesystem", "warn" if production else "ok",
                      f"{where}: fine for tests; in production it does not persist across reboots "
                      "(tmpfs) or lives in a container layer (overlay): use a local NVMe file system")
     if kind in NETWORK_FS or kind.startswith("fuse."):
         return Check("filesystem", "warn",
-                     f"{where}: a network file system: atomic rename and the one-writer root lock "
-                     "are not guaranteed, and capacity accounting is per server, not shared. "
-                     "Use a local NVMe file system, or one server per tree")
+                     f"{where}: a network file system kvpersist has no profile for: atomic "
+                     "rename and the lock across clients are not guaranteed. Use a local NVMe "
+                     "file system, or a shared one kvpersist knows (GlusterFS, NFS, Lustre, "
+                     "WekaFS, CephFS, GPFS)")
     if kind in LOCAL_FS_OK:
         return Check("filesystem", "ok", where)
     return Check("filesystem", "warn", f"{where}: not a file system kvpersist was tested on")
@@ -192,5 +210,5 @@ def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | No
         except IdentityError as exc:
             checks.append(Check("identity pins", "error", str(exc)))
 
-    checks.append(filesystem_check(root, production=production))
+    checks.append(filesystem_check(root, production=production, shared=settings.shared))
     return checks
