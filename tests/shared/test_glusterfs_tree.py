@@ -5,6 +5,7 @@ node.  Needs GlusterFS (``scripts/install-glusterfs.sh``); skipped with the reas
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,50 +28,13 @@ from kvpersist.testing import glusterfs
 from kvpersist.testing.helpers import adapter_status, clear_l1, l2_files, wait_for_l2_files
 from kvpersist.testing.lmcache_bench import BenchDriver
 
+from .conftest import MODEL, Nodes
+
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(glusterfs.unavailable() is not None,
                                  reason=f"no GlusterFS here: {glusterfs.unavailable()}")]
-MODEL = "org/model/kvp-" + "c" * 32
 CHUNK_FILE = HEADER_SIZE + 256 * 1024  # one 256-token chunk of the bench shape
 GIB = 1024**3
-
-
-@pytest.fixture(scope="module")
-def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[glusterfs.GlusterVolume]:
-    with glusterfs.gluster_volume(tmp_path_factory.mktemp("gluster"), mounts=2) as vol:
-        yield vol
-
-
-class Nodes:
-    """Node ``a`` on mount 0 and node ``b`` on mount 1 of one tree; servers stopped at the end."""
-
-    def __init__(self, volume: glusterfs.GlusterVolume, local: Path, tree: str,
-                 **extra: str) -> None:
-        self.settings: dict[str, ServerSettings] = {}
-        for name, mount in zip("ab", volume.mounts, strict=True):
-            env = {"KVP_CACHE_ROOT": str(mount / tree), "KVP_NODE_ID": name,
-                   "KVP_SHARED_NODES": "2", "KVP_RUNTIME_DIR": str(local / f"run-{name}"),
-                   "KVP_L1_SIZE_GB": "1", "KVP_CACHE_BUDGET_GB": "1", **extra}
-            self.settings[name] = load_settings(environ=env)
-
-    def __getitem__(self, name: str) -> ServerSettings:
-        return self.settings[name]
-
-    def driver(self, name: str) -> BenchDriver:
-        s = self.settings[name]
-        return BenchDriver(s.request_url, s.http_url, MODEL)
-
-    def stop(self) -> None:
-        for s in self.settings.values():
-            stop_server(s)
-
-
-@pytest.fixture
-def nodes(volume: glusterfs.GlusterVolume, tmp_path: Path,
-          request: pytest.FixtureRequest) -> Iterator[Nodes]:
-    n = Nodes(volume, tmp_path, request.node.name[:40])
-    yield n
-    n.stop()
 
 
 def store(d: BenchDriver, s: ServerSettings, seq: int) -> list[str]:
@@ -80,6 +43,13 @@ def store(d: BenchDriver, s: ServerSettings, seq: int) -> list[str]:
     assert d.store(seq)
     wait_for_l2_files(s.cache_root, before + len(sums))
     return sums
+
+
+def wait_for(predicate: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.2)
 
 
 def timed_restore(d: BenchDriver, seq: int, sums: list[str]) -> tuple[Any, float]:
@@ -133,16 +103,43 @@ def test_concurrent_stores_of_two_nodes_stay_under_the_trees_budget(
             results[name] = [d.store(seq) for seq in range(first, first + 8)]  # 32 chunks each
             d.close()
 
+        peak = [0]
+        filling = threading.Event()
+
+        def sample() -> None:  # the tree's bytes while both nodes store, through mount 0
+            while filling.is_set():
+                with contextlib.suppress(OSError):  # a file evicted between listing and stat
+                    total = sum(p.stat().st_size for p in
+                                (nodes["a"].tree / "nodes").glob("*/*.kvp"))
+                    peak[0] = max(peak[0], total)
+                time.sleep(0.05)
+
         threads = [threading.Thread(target=fill, args=(n, f)) for n, f in (("a", 100),
                                                                             ("b", 200))]
+        filling.set()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=300)
+        filling.clear()
+        sampler.join()
         assert not any(t.is_alive() for t in threads)
-        time.sleep(2.0)  # stores acknowledged before their files: let them land
-        parts = {n: sum(p.stat().st_size for p in nodes[n].cache_root.glob("*.kvp"))
-                 for n in "ab"}
+        assert 0 < peak[0] <= budget, peak  # never over the tree's budget, also mid-fill
+        def measure() -> dict[str, int]:
+            return {n: sum(p.stat().st_size for p in nodes[n].cache_root.glob("*.kvp"))
+                    for n in "ab"}
+
+        # Stores are acknowledged before their files land, and eviction (at 0.9 of a share)
+        # runs after them: measure once two readings 2 s apart agree.
+        parts, deadline = measure(), time.monotonic() + 60
+        while True:
+            time.sleep(2.0)
+            again = measure()
+            if again == parts or time.monotonic() > deadline:
+                break
+            parts = again
         assert all(0 < used <= budget // 2 for used in parts.values()), parts
         assert sum(parts.values()) <= budget
         for n in "ab":
@@ -151,6 +148,14 @@ def test_concurrent_stores_of_two_nodes_stay_under_the_trees_budget(
         report = kvp_admin(nodes["b"], "tree", "--json")
         assert report["tree_bytes"] == sum(parts.values()) and report["within_budget"]
         assert {x["node_id"]: x["live"] for x in report["nodes"]} == {"a": True, "b": True}
+        # The count stays right across restarts of either node (each rescans its own part).
+        for n in "ab":
+            stop_server(nodes[n])
+            start_server(nodes[n])
+            wait_for(lambda n=n: adapter_status(nodes[n])["scan_done"])
+            status = adapter_status(nodes[n])
+            assert (status["used_bytes"], status["files"]) == (
+                parts[n], len(list(nodes[n].cache_root.glob("*.kvp"))))
     finally:
         nodes.stop()
 
