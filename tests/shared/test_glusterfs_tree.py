@@ -292,3 +292,30 @@ def test_preflight_on_the_real_mount_reads_its_client_options(nodes: Nodes) -> N
     # The test mounts set every FUSE timeout to 0 (glusterfs.COHERENT_MOUNT_OPTIONS).
     assert check.level == "ok", check.message
     assert "fuse.glusterfs" in check.message and "attribute-timeout=0" in check.message
+
+
+def test_a_file_torn_or_replaced_through_one_mount_is_never_served_through_the_other(
+        nodes: Nodes) -> None:
+    """What a writer on node a could leave behind (a torn file, another key's file under this
+    key's name) seen from node b's mount: misses, never wrong bytes."""
+    start_server(nodes["a"])
+    start_server(nodes["b"])
+    a = nodes.driver("a")
+    sums = store(a, nodes["a"], 1)
+    a.close()
+    files = sorted(nodes["a"].cache_root.glob("*.kvp"))
+    first = files[0].read_bytes()
+    with open(files[0], "r+b") as fh:  # torn in place: the header is there, half the payload
+        fh.truncate(len(first) // 2)
+    b = nodes.driver("b")
+    trip = b.lookup_and_retrieve(1, sums)
+    assert trip.checksums_match and trip.retrieved_ok, "wrong bytes were served"
+    assert adapter_status(nodes["b"])["foreign_failures"] >= 1
+    files[0].write_bytes(first)  # repaired in place by its owner
+    os.replace(files[2], files[1])  # chunk 2's valid file under chunk 1's name
+    clear_l1(nodes["b"])
+    time.sleep(2.5)  # b's negative cache (2 s) for the keys that missed
+    trip = b.lookup_and_retrieve(1, sums)
+    b.close()
+    assert trip.checksums_match and trip.retrieved_ok, "wrong bytes were served"
+    assert trip.hit_chunks <= 1  # chunk 0 only: chunk 1 fails its key check, chunk 2 is gone
