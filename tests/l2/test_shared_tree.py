@@ -132,3 +132,19 @@ def test_one_writer_per_node_part_and_the_holder_is_named(tmp_path: Path) -> Non
     assert root_lock_holder(tmp_path / "nodes" / "nobody") is None
     b = node(tmp_path, "b")  # another node's part is another root
     assert root_lock_holder(b.root) is not None
+
+
+def test_other_parts_are_probed_only_up_to_the_first_key_nobody_has(tmp_path: Path) -> None:
+    nodes = [node(tmp_path, f"n{i}") for i in range(4)]
+    nodes[1].put(key(30), payload(30))
+    nodes[2].put(key(31), payload(31))
+    probe = nodes[0]
+    probe.put(key(35), payload(35))
+    assert probe.shared is not None
+    probe.shared.other_parts()
+    before = probe.shared.status()["fs_ops"]
+    request = [key(30), key(31), key(32), key(33), key(34), key(35)]
+    assert probe.contains_many(request) == [True, True, False, False, False, True]
+    # key 30: found in the first other part (1 stat), key 31 in the second (2), key 32 in none
+    # (3); keys 33-34 are not probed; key 35 is this node's own (no stat).
+    assert probe.shared.status()["fs_ops"] - before == 1 + 2 + 3

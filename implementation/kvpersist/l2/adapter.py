@@ -247,8 +247,8 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def _run_lookup(self, tid: L2TaskId, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            for i, key in enumerate(keys):
-                if self._store.contains(to_fields(key)):
+            for i, hit in enumerate(self._store.contains_many([to_fields(k) for k in keys])):
+                if hit:
                     bitmap.set(i)
         except Exception:
             logger.exception("kvpersist L2 lookup task %d failed", tid)

@@ -177,6 +177,26 @@ class KvFileStore:
         return self._contains_here(key) or (self.shared is not None
                                             and self.shared.find(key) is not None)
 
+    def contains_many(self, keys: list[KeyFields]) -> list[bool]:
+        """:meth:`contains` for a request's keys in order, except that the other nodes' parts
+        are asked only up to the first key none of them has: a request's hits are used as a
+        prefix (LMCache's default fetching policy), so probing past a gap would cost N-1
+        ``stat`` calls per key for nothing (a new 500-chunk conversation on 64 nodes: 31,500).
+        Keys of this node's own part are reported whatever their position."""
+        found: list[bool] = []
+        probing = self.shared is not None
+        for key in keys:
+            if self._contains_here(key):
+                found.append(True)
+            elif probing:
+                assert self.shared is not None
+                hit = self.shared.find(key) is not None
+                probing = hit
+                found.append(hit)
+            else:
+                found.append(False)
+        return found
+
     def _contains_here(self, key: KeyFields) -> bool:
         if key in self.index:
             return True
