@@ -69,6 +69,8 @@ from .late_attach import (
     start_scheduler_unhealthy,
 )
 from .lookup_deadline import LookupDeadline, ServerProgressProbe
+from .transfer_wait import ReplyWait
+from .transfer_wait import install as install_reply_wait
 
 if TYPE_CHECKING:
     import torch
@@ -168,12 +170,26 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         if role is KVConnectorRole.SCHEDULER and options.http_url:
             self._kvp_probe = ServerProgressProbe(options.http_url.rstrip("/") + "/status",
                                                   self._kvp_deadline)
+        if role is KVConnectorRole.WORKER:
+            self._kvp_wait_for_restores(options)
         self.kvp_bypassed_requests = 0
         self.kvp_dropped_stores = 0
         # LMCache's stats plus kvpersist's bypass counts, in vLLM's /metrics
         self._connector_stats = KvPersistConnectorStats()
         if attach_late:
             self._kvp_start_late(vllm_config, role, options)
+
+    def _kvp_wait_for_restores(self, options: ConnectorOptions) -> None:
+        """A restore's KV reply is waited for while the server is alive, up to
+        ``kvpersist.lookup_max_s`` (:mod:`kvpersist.serving.transfer_wait`)."""
+        adapter = getattr(self, "worker_adapter", None)
+        if adapter is None:
+            return
+        heartbeat = float(getattr(adapter, "_heartbeat_interval", 2.0))
+        install_reply_wait(ReplyWait(
+            lambda: bool(adapter.is_healthy),
+            base_s=float(getattr(adapter, "_mq_timeout", 15.0)), max_s=options.lookup_max_s,
+            dead_after_s=max(3 * heartbeat, 5.0)))
 
     def _kvp_start_late(self, vllm_config: Any, role: KVConnectorRole,
                         options: ConnectorOptions) -> None:
