@@ -112,26 +112,16 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
         d = BenchDriver(settings.request_url, settings.http_url, MODEL,
                         num_tokens=tokens, shape_spec=spec, num_blocks=blocks,
                         transfer_mode=transfer_mode)
-        request = d._request(0, "load")
-        d.client.zero_destination(request, 0, request.num_full_tokens)
-        began = time.perf_counter()
-        lookup = d.client.lookup(request)
-        lookup_s = time.perf_counter() - began
-        result = d.client.retrieve(request, 0, lookup.hit_chunks * request.chunk_size)
-        whole_s = time.perf_counter() - began
-        got = d.client.compute_checksums(request, 0, request.num_full_tokens)
-        d.client.end_session(request)
+        trip = d.timed_restore(0, sums)
         d.close()
-        ok = (lookup.hit_chunks == chunks and result is not None and result.succeeded
-              and list(got or []) == sums)
     finally:
         stop_server(settings)
     file_bytes = sum(p.stat().st_size for p in files)
-    return {"adapter": adapter, "ok": ok, "hit_chunks": lookup.hit_chunks, "chunks": chunks,
+    return {"adapter": adapter, "ok": trip.ok, "hit_chunks": trip.hit_chunks, "chunks": chunks,
             "payload_bytes": nbytes, "file_bytes": file_bytes, "store_s": store_s,
             "l1_to_l2_s": l1_to_l2_s,
-            "raw_write_s": raw_write_s, "raw_read_s": raw_read_s, "l2_to_l1_s": lookup_s,
-            "restore_s": whole_s}
+            "raw_write_s": raw_write_s, "raw_read_s": raw_read_s, "l2_to_l1_s": trip.lookup_s,
+            "restore_s": trip.restore_s}
 
 
 def main() -> int:

@@ -59,19 +59,9 @@ def driver(s: ServerSettings, tokens: int) -> BenchDriver:
 def restore(s: ServerSettings, tokens: int, sums: list[str]) -> tuple[float, float, bool]:
     """(L2->L1 seconds (the lookup, which loads the prefix), whole restore seconds, ok)."""
     d = driver(s, tokens)
-    request = d._request(0, "load")
-    d.client.zero_destination(request, 0, request.num_full_tokens)
-    began = time.perf_counter()
-    lookup = d.client.lookup(request)
-    lookup_s = time.perf_counter() - began
-    result = d.client.retrieve(request, 0, lookup.hit_chunks * request.chunk_size)
-    seconds = time.perf_counter() - began
-    got = d.client.compute_checksums(request, 0, request.num_full_tokens)
-    d.client.end_session(request)
+    trip = d.timed_restore(0, sums)
     d.close()
-    ok = lookup.hit_chunks == len(sums) and result is not None and result.succeeded \
-        and list(got or []) == sums
-    return lookup_s, seconds, ok
+    return trip.lookup_s, trip.restore_s, trip.ok
 
 
 def cold_cat(files: list[Path]) -> float:

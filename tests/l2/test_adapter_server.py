@@ -9,7 +9,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -33,6 +32,7 @@ from kvpersist.testing.helpers import (
     kvpersist_settings,
     l2_files,
     wait_for_l2_files,
+    wait_until,
 )
 from kvpersist.testing.lmcache_bench import BenchDriver
 
@@ -52,13 +52,6 @@ def store_and_wait(d: BenchDriver, root: Path, seq: int) -> list[str]:
     assert d.store(seq)
     wait_for_l2_files(root, before + len(sums))
     return sums
-
-
-def wait_for(predicate: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.5)
 
 
 def test_bench_client_round_trip_through_l2_after_restart(settings: ServerSettings) -> None:
@@ -142,7 +135,7 @@ def test_corruption_is_a_miss_then_repaired(settings: ServerSettings, how: str) 
     assert len(list((root / QUARANTINE_DIR).iterdir())) == status["quarantined"]
     # repair: the next store writes good files, and they load byte-identical
     assert d.store(3)
-    wait_for(lambda: len(list(root.glob(f"org--model--kvp-{'a' * 32}_*.kvp"))) == 4)
+    wait_until(lambda: len(list(root.glob(f"org--model--kvp-{'a' * 32}_*.kvp"))) == 4)
     clear_l1(settings)
     trip = d.lookup_and_retrieve(3, sums)
     assert (trip.hit_chunks, trip.retrieved_ok, trip.checksums_match) == (4, True, True)

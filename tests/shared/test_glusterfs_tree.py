@@ -25,7 +25,13 @@ from kvpersist.l2.lock import root_lock_holder
 from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import ServerError, start_server, stop_server
 from kvpersist.testing import glusterfs
-from kvpersist.testing.helpers import adapter_status, clear_l1, l2_files, wait_for_l2_files
+from kvpersist.testing.helpers import (
+    adapter_status,
+    clear_l1,
+    l2_files,
+    wait_for_l2_files,
+    wait_until,
+)
 from kvpersist.testing.lmcache_bench import BenchDriver
 
 from .conftest import MODEL, Nodes
@@ -43,13 +49,6 @@ def store(d: BenchDriver, s: ServerSettings, seq: int) -> list[str]:
     assert d.store(seq)
     wait_for_l2_files(s.cache_root, before + len(sums))
     return sums
-
-
-def wait_for(predicate: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.2)
 
 
 def timed_restore(d: BenchDriver, seq: int, sums: list[str]) -> tuple[Any, float]:
@@ -152,7 +151,7 @@ def test_concurrent_stores_of_two_nodes_stay_under_the_trees_budget(
         for n in "ab":
             stop_server(nodes[n])
             start_server(nodes[n])
-            wait_for(lambda n=n: adapter_status(nodes[n])["scan_done"])
+            wait_until(lambda n=n: adapter_status(nodes[n])["scan_done"])
             status = adapter_status(nodes[n])
             assert (status["used_bytes"], status["files"]) == (
                 parts[n], len(list(nodes[n].cache_root.glob("*.kvp"))))
@@ -220,7 +219,7 @@ def test_a_node_killed_with_9_its_files_still_serve_and_its_leftovers_are_cleane
     sums = store(a, nodes["a"], 1)
     a.close()
     record = check_pid_file(nodes["a"].pid_file).record
-    assert record is not None
+    assert record is not None and record.node_id == "a"
     leftover = temp_name(next(iter(nodes["a"].cache_root.glob("*.kvp"))))
     leftover.write_bytes(b"x" * 4096)  # what a writer killed mid-store leaves
     os.utime(leftover, (time.time() - 3600, time.time() - 3600))

@@ -43,6 +43,8 @@ class PidRecord:
     #: The server's log relay (:mod:`kvpersist.serving.log_relay`); 0 when there is none
     #: (``kvp-server run``, whose output goes to the journal) or the file predates it.
     log_relay_pid: int = 0
+    #: ``KVP_NODE_ID`` on a shared tree ("" on one node): which node's part this server holds.
+    node_id: str = ""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -105,6 +107,7 @@ def read_pid_file(path: Path) -> PidRecord | None:
             zmq_port=int(data["zmq_port"]),
             http_port=int(data["http_port"]),
             log_relay_pid=int(data.get("log_relay_pid", 0)),
+            node_id=str(data.get("node_id", "")),
         )
     except (ValueError, KeyError, TypeError):
         raise PidFileError(

@@ -260,7 +260,7 @@ def _prepare_start(settings: ServerSettings) -> PidStatus | None:
 
 def _pid_record(pid: int, settings: ServerSettings, log_relay_pid: int = 0) -> PidRecord:
     return PidRecord(pid, process_start_ticks(pid) or 0, "lmcache server", settings.zmq_port,
-                     settings.http_port, log_relay_pid)
+                     settings.http_port, log_relay_pid, settings.node_id or "")
 
 
 def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = None) -> StartResult:

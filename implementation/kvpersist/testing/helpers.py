@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,15 @@ def l2_files(root: Path, suffixes: tuple[str, ...] = (".bin", ".kvp")) -> dict[s
         for p in sorted(root.iterdir())
         if p.is_file() and p.suffix in suffixes
     }
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 60.0,
+               interval: float = 0.5) -> None:
+    """Poll ``predicate`` until it is true; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"condition not reached within {timeout:.0f}s"
+        time.sleep(interval)
 
 
 def wait_for_l2_files(root: Path, min_count: int, timeout: float = 60.0) -> dict[str, str]:

@@ -8,10 +8,21 @@ compare against.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 SHAPE_SPEC = "(2,64,16,2,64):float16:2"  # 256-token chunk = 256 KiB of KV
+
+
+@dataclass
+class TimedRestore:
+    """One cold restore: LOOKUP (on the server this includes the L2→L1 load), then RETRIEVE."""
+
+    hit_chunks: int
+    lookup_s: float  # LOOKUP alone: the L2→L1 part
+    restore_s: float  # LOOKUP + RETRIEVE
+    ok: bool  # every expected chunk hit, retrieved, and its checksum matched
 
 
 @dataclass
@@ -76,6 +87,21 @@ class BenchDriver:
             match = list(got) == expected[: lookup.hit_chunks]
         self.client.end_session(request)
         return RoundTrip(lookup.hit_chunks, lookup.total_chunks, ok, match)
+
+    def timed_restore(self, seq: int, expected: list[str]) -> TimedRestore:
+        """Restore all of ``seq`` into zeroed buffers, timed; checksums compared after."""
+        request = self._request(seq, "load")
+        self.client.zero_destination(request, 0, request.num_full_tokens)
+        began = time.perf_counter()
+        lookup = self.client.lookup(request)
+        lookup_s = time.perf_counter() - began
+        result = self.client.retrieve(request, 0, lookup.hit_chunks * request.chunk_size)
+        restore_s = time.perf_counter() - began
+        got = self.client.compute_checksums(request, 0, request.num_full_tokens)
+        self.client.end_session(request)
+        ok = (lookup.hit_chunks == len(expected) and result is not None and result.succeeded
+              and list(got or []) == expected)
+        return TimedRestore(lookup.hit_chunks, lookup_s, restore_s, ok)
 
     def close(self) -> None:
         self.client.close()
