@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-logger = logging.getLogger("kvpersist")
+logger = logging.getLogger("vllm.kvpersist.transfer_wait")  # inherits vLLM's log handler
 Clock = Callable[[], float]
 
 
