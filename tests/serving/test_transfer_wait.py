@@ -7,7 +7,10 @@ import inspect
 
 import pytest
 
-from kvpersist.serving.transfer_wait import ReplyWait
+from kvpersist.config.server import ServerSettings
+from kvpersist.serving.server import start_server
+from kvpersist.serving.transfer_wait import ReplyWait, install, uninstall
+from kvpersist.testing.lmcache_bench import BenchDriver
 
 
 class Clock:
@@ -89,3 +92,32 @@ def test_lmcaches_pickle_retrieve_is_the_one_the_replacement_copies() -> None:
                  "if not response.success or not response.data:",
                  "chunks: list[torch.Tensor] = pickle.loads(response.data)"):
         assert line in source, f"LMCache changed prepare_retrieve: {line!r} is gone"
+
+
+@pytest.mark.integration
+def test_a_real_reply_past_the_base_timeout_is_waited_for_while_alive(
+        settings: ServerSettings) -> None:
+    """LMCache's own bench client (the same pickle transport as vLLM's worker) against a real
+    server: with a 1 ms base timeout, the 8 MiB reply is always late.  Alive: it is waited for
+    and every byte checks out.  Dead (the heartbeat says so): it is given up, a failed load."""
+    start_server(settings)
+    blocks = 8192 // 16 + 16
+    d = BenchDriver(settings.request_url, settings.http_url, "org/model/kvp-" + "d" * 32,
+                    num_tokens=8192, num_blocks=blocks,
+                    shape_spec=f"(2,{blocks},16,2,64):float16:2")  # 256 KiB per chunk
+    try:
+        sums = d.checksums(1)
+        assert d.store(1)
+        alive = ReplyWait(lambda: True, base_s=0.001, max_s=60.0, dead_after_s=5.0)
+        assert install(alive)
+        trip = d.lookup_and_retrieve(1, sums)
+        assert (trip.hit_chunks, trip.retrieved_ok, trip.checksums_match) == (32, True, True)
+        assert alive.extended == 1  # the reply came after the base timeout, and was taken
+        dead = ReplyWait(lambda: False, base_s=0.001, max_s=60.0, dead_after_s=0.0)
+        assert install(dead)
+        trip = d.lookup_and_retrieve(1, sums)
+        assert trip.hit_chunks == 32 and not trip.retrieved_ok  # given up: vLLM would recompute
+        assert dead.abandoned == 1
+    finally:
+        uninstall()
+        d.close()

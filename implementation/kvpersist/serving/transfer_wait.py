@@ -62,10 +62,11 @@ class ReplyWait:
                 break
             if self.alive():
                 unhealthy_since = None
-            elif unhealthy_since is None:
-                unhealthy_since = now
-            elif now - unhealthy_since >= self.dead_after_s:
-                break
+            else:
+                if unhealthy_since is None:
+                    unhealthy_since = now
+                if now - unhealthy_since >= self.dead_after_s:
+                    break
             try:
                 value = future.result(timeout=min(self.poll_s, self.max_s - (now - began)))
             except TimeoutError:
@@ -80,13 +81,14 @@ class ReplyWait:
 
 
 _installed: ReplyWait | None = None
+_original: Any = None
 _install_lock = threading.Lock()
 
 
 def install(wait: ReplyWait) -> bool:
     """Make LMCache's pickle transport wait for retrieve replies by ``wait`` in this process.
     Returns False (and changes nothing) when LMCache's method is not the expected one."""
-    global _installed
+    global _installed, _original
     from lmcache.v1.multiprocess.transfer_context import pickle as transport
 
     with _install_lock:
@@ -96,6 +98,8 @@ def install(wait: ReplyWait) -> bool:
             logger.warning("kvpersist: LMCache's pickle transport is not the one kvpersist knows; "
                            "long restores are bounded by KVP_MQ_TIMEOUT_S")
             return False
+        if _installed is None:
+            _original = cls.prepare_retrieve
         _installed = wait
 
         def prepare_retrieve(self: Any, key: Any, instance_id: int) -> Any:
@@ -113,3 +117,14 @@ def install(wait: ReplyWait) -> bool:
         prepare_retrieve.__qualname__ = "kvpersist.prepare_retrieve"
         cls.prepare_retrieve = prepare_retrieve
     return True
+
+
+def uninstall() -> None:
+    """Give LMCache its own method back (tests that install a policy in their own process)."""
+    global _installed, _original
+    from lmcache.v1.multiprocess.transfer_context import pickle as transport
+
+    with _install_lock:
+        if _original is not None:
+            transport.EngineDrivenContextPickle.prepare_retrieve = _original
+        _installed = _original = None
