@@ -14,68 +14,57 @@ Invariants
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config.server import NODES_DIR_NAME, node_part_names
+from ..config.server import NODES_DIR_NAME
 from ..identity.records import list_records
 from ..l2.inventory import InventoryError, build_inventory
 from ..l2.lock import root_lock_holder
 
 
 @dataclass(frozen=True)
-class PartState:
-    """What a node's part says without walking it: who holds it, which namespaces it records."""
-
+class NodePart:
     node_id: str
     root: Path
     holder: str | None  # pid@host of the server holding it, None when no server does
+    files: int  # live KV files
+    bytes: int  # every KV file's bytes (live, temp, quarantine): what counts against the share
     namespaces: tuple[str, ...]  # with an identity record in this part
+    error: str | None = None
 
     @property
     def live(self) -> bool:
         return self.holder is not None
 
 
-@dataclass(frozen=True)
-class NodePart:
-    state: PartState
-    files: int  # live KV files
-    bytes: int  # every KV file's bytes (live, temp, quarantine): what counts against the share
-    error: str | None = None
-
-
-def part_states(tree: Path) -> list[PartState]:
-    """Every node's part of ``tree``, sorted by node id (a lock probe and the identity records
-    each; no walk)."""
-    try:
-        names = node_part_names(tree)
-    except OSError as exc:
-        raise InventoryError(f"{tree / NODES_DIR_NAME} cannot be listed ({exc.strerror}); is "
-                             f"{tree} a shared tree (KVP_NODE_ID set on its nodes)?") from None
-    roots = [(name, tree / NODES_DIR_NAME / name) for name in names]
-    return [PartState(name, root, root_lock_holder(root), tuple(sorted(list_records(root))))
-            for name, root in roots]
-
-
 def node_parts(tree: Path) -> list[NodePart]:
-    """:func:`part_states` with each part's files and bytes from the disk; an unreadable part
-    carries its error."""
+    """Every node's part of ``tree`` (sorted by node id); an unreadable part carries its error."""
+    nodes_dir = tree / NODES_DIR_NAME
+    try:
+        names = sorted(e.name for e in os.scandir(nodes_dir) if e.is_dir(follow_symlinks=False))
+    except OSError as exc:
+        raise InventoryError(f"{nodes_dir} cannot be listed ({exc.strerror}); is {tree} a "
+                             "shared tree (KVP_NODE_ID set on its nodes)?") from None
     parts = []
-    for state in part_states(tree):
+    for name in names:
+        root = nodes_dir / name
+        holder = root_lock_holder(root)
+        records = tuple(sorted(list_records(root)))
         try:
-            inv = build_inventory(state.root)
-            parts.append(NodePart(state, inv.by_class()["live"][0], inv.cache_bytes))
+            inv = build_inventory(root)
+            live_files = inv.by_class()["live"][0]
+            parts.append(NodePart(name, root, holder, live_files, inv.cache_bytes, records))
         except InventoryError as exc:
-            parts.append(NodePart(state, 0, 0, str(exc)))
+            parts.append(NodePart(name, root, holder, 0, 0, records, str(exc)))
     return parts
 
 
-def protected_namespaces(states: Iterable[PartState]) -> set[str]:
+def protected_namespaces(parts: list[NodePart]) -> set[str]:
     """Namespaces recorded in a live part (see module invariants)."""
-    return {ns for state in states if state.live for ns in state.namespaces}
+    return {ns for part in parts if part.live for ns in part.namespaces}
 
 
 def tree_report(tree: Path, budget_bytes: int, shares: int) -> dict[str, Any]:
@@ -87,10 +76,10 @@ def tree_report(tree: Path, budget_bytes: int, shares: int) -> dict[str, Any]:
         "share_bytes": share, "tree_bytes": total,
         "tree_files": sum(p.files for p in parts),
         "within_budget": total <= budget_bytes,
-        "protected_namespaces": sorted(protected_namespaces(p.state for p in parts)),
-        "nodes": [{"node_id": p.state.node_id, "root": str(p.state.root), "live": p.state.live,
-                   "holder": p.state.holder, "files": p.files, "bytes": p.bytes,
+        "protected_namespaces": sorted(protected_namespaces(parts)),
+        "nodes": [{"node_id": p.node_id, "root": str(p.root), "live": p.live,
+                   "holder": p.holder, "files": p.files, "bytes": p.bytes,
                    "share_used": p.bytes / share if share else 0.0,
-                   "namespaces": list(p.state.namespaces), "error": p.error} for p in parts],
+                   "namespaces": list(p.namespaces), "error": p.error} for p in parts],
         "parts_beyond_shares": max(0, len(parts) - shares),
     }

@@ -72,14 +72,6 @@ NODES_DIR_NAME = "nodes"
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def node_part_names(tree: Path) -> list[str]:
-    """The ids of the nodes with a part in the shared tree ``tree`` (``tree/nodes/<id>``
-    directories), sorted.  Raises OSError when ``tree/nodes`` cannot be listed (FileNotFoundError
-    before any node started)."""
-    with os.scandir(tree / NODES_DIR_NAME) as entries:
-        return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
-
-
 def parse_env_file(path: Path) -> dict[str, str]:
     """``KEY=value`` lines; comments, blanks, ``export`` and matching quotes are allowed."""
     try:
@@ -259,11 +251,6 @@ def _node_id(raw: str) -> str | None:
     return value
 
 
-def _within(path: Path, root: Path) -> bool:
-    """``path`` is ``root`` or below it."""
-    return path == root or root in path.parents
-
-
 def _check_shared(settings: ServerSettings) -> None:
     if not settings.shared:
         if settings.shared_nodes != 1:
@@ -275,7 +262,7 @@ def _check_shared(settings: ServerSettings) -> None:
                             f"{settings.l2_adapter!r}: only it keeps per-node parts and "
                             "verifies what other nodes wrote")
     runtime = settings.runtime_dir
-    if runtime is None or _within(runtime, settings.tree):
+    if runtime is None or runtime == settings.tree or settings.tree in runtime.parents:
         raise SettingsError(
             "KVP_NODE_ID (a shared tree) needs KVP_RUNTIME_DIR on the node's local disk, outside "
             f"KVP_CACHE_ROOT={settings.tree}: the sockets, the pid file and the log belong to "
@@ -317,7 +304,7 @@ def _check_access(settings: ServerSettings) -> None:
         return
     if settings.access_gid is not None:
         runtime = settings.socket_dir
-        if _within(runtime, settings.cache_root):
+        if runtime == settings.cache_root or settings.cache_root in runtime.parents:
             raise SettingsError(
                 "KVP_ACCESS_GROUP needs KVP_RUNTIME_DIR outside KVP_CACHE_ROOT (the cache root "
                 "stays 0700, so the group could not reach sockets inside it); e.g. "

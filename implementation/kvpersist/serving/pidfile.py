@@ -16,7 +16,6 @@ import contextlib
 import enum
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,23 +77,6 @@ def process_start_ticks(pid: int) -> int | None:
     if rest[0] == "Z":  # a zombie is gone for our purposes
         return None
     return int(rest[19])
-
-
-def wait_exited(pid: int, timeout_s: float, *, ticks: int | None = None,
-                interval_s: float = 0.05) -> bool:
-    """Wait until process ``pid`` (the one started at ``ticks``; default: the one there now)
-    has exited, reaping it if it is this process's child; False on timeout.  Never signals."""
-    if ticks is None:
-        ticks = process_start_ticks(pid)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        if ticks is None or process_start_ticks(pid) != ticks:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval_s)
 
 
 def write_pid_file(path: Path, record: PidRecord) -> None:

@@ -18,15 +18,12 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from ..serving.pidfile import wait_exited
 
 HOST = "127.0.0.2"
 #: The caching translators that let a mount serve stale data (seen: a stale version for ~1 s).
@@ -64,6 +61,8 @@ def unavailable() -> str | None:
 
 def _glusterd_running() -> bool:
     """A glusterd answers on its local socket (a dead one's socket file refuses)."""
+    import socket
+
     with socket.socket(socket.AF_UNIX) as sock:
         try:
             sock.connect("/var/run/glusterd.socket")
@@ -102,7 +101,9 @@ class GlusterVolume:
         """SIGKILL one brick's server, as a failed disk or node would stop it."""
         pid = self.brick_pids()[brick]
         os.kill(pid, signal.SIGKILL)
-        wait_exited(pid, 10.0)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def restart_bricks(self) -> None:
         """``volume start <name> force``: brings killed bricks back."""
@@ -174,6 +175,8 @@ def _stop_glusterd(pid_file: Path) -> None:
     with contextlib.suppress(OSError, ValueError):
         pid = int(pid_file.read_text().strip())
         os.kill(pid, signal.SIGTERM)
-        if not wait_exited(pid, 10.0):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)

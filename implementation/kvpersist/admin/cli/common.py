@@ -17,7 +17,7 @@ from ...l2.inventory import Inventory, InventoryError, build_inventory
 from ..budget import GIB, check_namespace
 from ..progress import stderr_progress
 from ..report import active_namespaces_from_server
-from ..tree import part_states, protected_namespaces
+from ..tree import node_parts, protected_namespaces
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_OFF = 0, 1, 2, 3
 _S = TypeVar("_S")
@@ -104,9 +104,9 @@ def active_namespaces(args: argparse.Namespace, settings: ServerSettings) -> tup
     found = active_namespaces_from_server(settings.http_url)
     if settings.shared:  # any node may read any part: every live node's namespaces count
         try:
-            protected = protected_namespaces(part_states(settings.tree))
-        except InventoryError as exc:
-            return found or set(), f"unknown (the shared tree's parts: {exc}; give --active)"
+            protected = protected_namespaces(node_parts(settings.tree))
+        except InventoryError:
+            protected = set()
         if found is None:
             return protected, "live nodes' records (this node's server not answering)"
         return found | protected, "server + live nodes' records"
