@@ -5,12 +5,17 @@ tests/e2e/test_long_conversation_e2e.py (34k tokens, 34 MiB of KV).
 
     .venv/bin/python benchmarks/bench_long_chat.py --geometry wide --tokens 32768
         # 16 layers x 8 KV heads x 64, float32: 64 KiB/token, 2 GiB of KV for the prompt
+    .venv/bin/python benchmarks/bench_long_chat.py --geometry wide --tokens 8192 \
+        --transfer-modes engine_driven,lmcache_driven
+        # LMCache's two CPU transports side by side in one run (restored TTFT, /dev/shm left)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -24,16 +29,20 @@ from kvpersist.testing.slow_disk import drop_caches
 GEOMETRIES = {"tiny": LONG_CONTEXT, "wide": WIDE_KV._replace(max_pos=40960)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="wide")
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--work", help="work directory (default: a temp dir)")
-    parser.add_argument("--l1-gb", type=int, help="server L1 and vLLM KV cache space (GiB); "
-                        "default: the prompt's KV + 1")
-    args = parser.parse_args()
-    geometry: Geometry = GEOMETRIES[args.geometry]
-    work = Path(args.work or tempfile.mkdtemp(prefix="kvp-long-chat-"))
+def shm_segments() -> dict[str, int]:
+    """LMCache's shared-memory segments in /dev/shm: name -> bytes (apparent size)."""
+    found: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/dev/shm"):
+            if entry.name.startswith("lmcache"):
+                with contextlib.suppress(OSError):
+                    found[entry.name] = entry.stat().st_size
+    return found
+
+
+def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
+             mode: str | None) -> dict[str, object]:
+    """Store one long chat, restart both processes, drop the page cache, restore it."""
     kv_gib = args.tokens * geometry.kv_bytes_per_token / 2**30
     # Each side holds the prompt's KV once; on CPU, LMCache's engine_driven transport needs
     # about 4.5x the restored bytes in the vLLM worker on top (pickled copies): a 2 GiB restore
@@ -46,9 +55,12 @@ def main() -> int:
                      KVP_CACHE_BUDGET_GB=str(int(kv_gib * 2) + 2))
     settings = load_settings(env)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(l1_gb)
+    if mode is not None:
+        env["KVP_MP_TRANSFER_MODE"] = mode
     messages = long_conversation(args.tokens, "a very long chat")
-    result: dict[str, object] = {"geometry": args.geometry, "kv_bytes_per_token":
-                                 geometry.kv_bytes_per_token}
+    result: dict[str, object] = {"geometry": args.geometry, "transfer_mode": mode or "default",
+                                 "kv_bytes_per_token": geometry.kv_bytes_per_token}
+    shm_before = shm_segments()
     vllm = VllmProcess(model, pins, work / "vllm-1.log", env, max_model_len=max_len)
     try:
         start_server(settings)
@@ -72,14 +84,45 @@ def main() -> int:
             full_chunk_tokens=256 * chunks, cached_tokens=warm.cached_tokens,
             identical=(warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs),
             l2_load_seconds=status["load_seconds"], l2_loaded_bytes=status["loaded_bytes"])
+        vllm.stop()  # a graceful stop, as an operator's would be
     finally:
         vllm.kill()
         stop_server(settings)
-    print(json.dumps(result, indent=2))
+    left = {name: size for name, size in shm_segments().items() if name not in shm_before}
+    result.update(shm_segments_left=len(left), shm_bytes_left=sum(left.values()))
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="wide")
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--work", help="work directory (default: a temp dir)")
+    parser.add_argument("--l1-gb", type=int, help="server L1 and vLLM KV cache space (GiB); "
+                        "default: the prompt's KV + 1")
+    parser.add_argument("--transfer-modes", default="",
+                        help="comma-separated LMCache transfer modes to run one after another "
+                        "(engine_driven, lmcache_driven); default: the launcher's choice")
+    args = parser.parse_args()
+    geometry: Geometry = GEOMETRIES[args.geometry]
+    work = Path(args.work or tempfile.mkdtemp(prefix="kvp-long-chat-"))
+    modes: list[str | None] = [m for m in args.transfer_modes.split(",") if m] or [None]
+    results = [run_once(args, geometry, work / (m or "default"), m) for m in modes]
+    print(json.dumps(results if len(results) > 1 else results[0], indent=2))
+    if len(results) > 1:
+        base = float(results[0].get("restored_s", 0) or 0)
+        print(f"\n{'mode':<16} {'cold s':>8} {'restored s':>11} {'x first':>8} "
+              f"{'cached':>8} {'identical':>9} {'/dev/shm left':>14}")
+        for r in results:
+            restored = float(r.get("restored_s", 0) or 0)
+            print(f"{r['transfer_mode']!s:<16} {r.get('cold_s', '-')!s:>8} {restored:>11.2f} "
+                  f"{(base / restored if restored else 0):>8.2f} {r.get('cached_tokens')!s:>8} "
+                  f"{r.get('identical')!s:>9} {r['shm_bytes_left']:>14,}")
     # Restored means vLLM used it: the hits were loaded (cached_tokens), not recomputed after a
     # failed retrieve (which vLLM still counts as external hits).
-    restored = result.get("cached_tokens") == 256 * chunks
-    return 0 if result.get("identical") and restored else 1
+    ok = all(r.get("identical") and r.get("cached_tokens") == r.get("full_chunk_tokens")
+             for r in results)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

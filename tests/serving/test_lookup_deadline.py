@@ -91,6 +91,38 @@ def test_progress_before_a_lookup_began_does_not_count_for_it() -> None:
     assert d.pending == 0 and d.verdict("late", healthy=True) is None
 
 
+def test_a_pause_of_the_watching_process_is_not_the_servers_stall() -> None:
+    """vLLM's own process held 5 s (seen on 2 cores: page faults after a page-cache drop) while
+    the server kept reading: with a probe watching, quiet time runs only up to its last look."""
+    clock = FakeClock()
+    d = LookupDeadline(stall_s=5, max_s=600, clock=clock)
+    d.looked()
+    d.begin("r")
+    clock.now += 1
+    d.progressed()
+    d.looked()
+    clock.now += 6  # the probe could not look: nothing is known about these 6 s
+    assert d.verdict("r", healthy=True) is None
+    assert d.verdict("r", healthy=False) is None  # nor is a heartbeat that missed them
+    d.progressed()  # the first look after the pause sees the counters moved
+    d.looked()
+    for _ in range(5):  # then looks that see nothing move
+        clock.now += 1.1
+        d.looked()
+    assert "no progress for 5.5s" in str(d.verdict("r", healthy=True))
+
+
+def test_a_probe_that_stops_looking_does_not_hold_a_lookup_forever() -> None:
+    clock = FakeClock()
+    d = LookupDeadline(stall_s=5, max_s=600, clock=clock, blind_s=30)
+    d.looked()
+    d.begin("r")
+    clock.now += 29
+    assert d.verdict("r", healthy=True) is None
+    clock.now += 2  # 31 s without a look: judged up to now again
+    assert "stalled" in str(d.verdict("r", healthy=True))
+
+
 def test_progress_token_reads_the_load_counters() -> None:
     status = {"storage_manager": {
         "l2_adapters": [{"read_bytes": 10, "loaded_bytes": 8}, {"type": "nixl"}],

@@ -60,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..config.client import ConnectorOptions
 from ..identity import CacheIdentity
+from . import http
 from .connector_metrics import KvPersistConnectorStats, KvPersistPromMetrics
 from .gate import decide, record_identity
 from .late_attach import (
@@ -69,8 +70,8 @@ from .late_attach import (
     start_scheduler_unhealthy,
 )
 from .lookup_deadline import LookupDeadline, ServerProgressProbe
-from .transfer_wait import ReplyWait
-from .transfer_wait import install as install_reply_wait
+from .transfer_wait import ServerWait, never_gone
+from .transfer_wait import install as install_server_wait
 
 if TYPE_CHECKING:
     import torch
@@ -180,14 +181,17 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
             self._kvp_start_late(vllm_config, role, options)
 
     def _kvp_wait_for_restores(self, options: ConnectorOptions) -> None:
-        """A restore's KV reply is waited for while the server is alive, up to
-        ``kvpersist.lookup_max_s`` (:mod:`kvpersist.serving.transfer_wait`)."""
+        """The worker waits for a restore's KV while the server is alive, up to
+        ``kvpersist.lookup_max_s``, and for a store's receipt only while it is healthy; neither
+        once nobody listens at the server's admin socket (:mod:`kvpersist.serving.transfer_wait`)."""
         adapter = getattr(self, "worker_adapter", None)
         if adapter is None:
             return
         heartbeat = float(getattr(adapter, "_heartbeat_interval", 2.0))
-        install_reply_wait(ReplyWait(
+        url = options.http_url
+        install_server_wait(ServerWait(
             lambda: bool(adapter.is_healthy),
+            gone=(lambda: http.refuses_connections(url)) if url else never_gone,
             base_s=float(getattr(adapter, "_mq_timeout", 15.0)), max_s=options.lookup_max_s,
             dead_after_s=max(3 * heartbeat, 5.0)))
 

@@ -126,3 +126,30 @@ def answers(url: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
         return get(url, timeout=timeout).status == 200
     except HttpError:
         return False
+
+
+def refuses_connections(url: str, *, timeout: float = 0.2) -> bool:
+    """True only when nobody listens at ``url``'s socket: the connection is refused or the
+    Unix socket file is gone (a server killed or stopped).  A connection that is accepted,
+    times out or is denied is False: the server may be alive, only busy or not ours to use.
+    Nothing is sent; the connection is closed at once."""
+    if url.startswith(UNIX_SCHEME):
+        family, address = socket.AF_UNIX, split_unix_url(url)[0]
+    else:
+        parts = urllib.parse.urlsplit(url)
+        if parts.hostname is None:
+            return False
+        family, address = socket.AF_INET, (parts.hostname, parts.port or 80)  # type: ignore[assignment]
+        if ":" in parts.hostname:
+            family = socket.AF_INET6
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(address)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return False

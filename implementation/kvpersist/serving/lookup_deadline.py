@@ -19,6 +19,12 @@ Invariants
   scheduler's thread.  It is server-wide: another request's load counts, since a server that
   moves any load is not stalled.
 * A server that does not answer the probe makes no progress.
+* With a probe, "no progress" and "unhealthy without progress" are measured up to the probe's
+  latest look, not up to now: a vLLM process that was itself stalled (CPU starvation, page
+  faults after a page-cache drop, a GIL held for seconds) cannot look, and its own pause is not
+  the server's.  Seen on 2 cores: the probe's thread was held 5 s while the server kept reading,
+  and the restore was thrown away.  Should the probe not look for ``blind_s`` seconds, now is
+  used again, so a lookup is never waited for unbounded by a probe that stopped.
 """
 
 from __future__ import annotations
@@ -66,13 +72,15 @@ class LookupDeadline:
     """Per-request bookkeeping of pending lookups (see module invariants)."""
 
     def __init__(self, stall_s: float, max_s: float, clock: Clock = time.monotonic,
-                 alive_s: float = 2.0) -> None:
+                 alive_s: float = 2.0, blind_s: float = 30.0) -> None:
         self.stall_s = stall_s
         self.max_s = max_s
         self.alive_s = alive_s
+        self.blind_s = blind_s
         self._clock = clock
         self._began: dict[str, float] = {}
         self._progress_at = float("-inf")
+        self._looked_at: float | None = None  # None: no probe watches, judge up to now
         self._lock = threading.Lock()
 
     def begin(self, rid: str) -> float:
@@ -94,6 +102,18 @@ class LookupDeadline:
         with self._lock:
             self._progress_at = self._clock()
 
+    def looked(self) -> None:
+        """The probe completed a look at the server (answered or not), or had nothing to look
+        for; from the first call on, stalls are judged up to the latest look."""
+        with self._lock:
+            self._looked_at = self._clock()
+
+    def _judged_at(self, now: float) -> float:
+        looked = self._looked_at
+        if looked is None or now - looked > self.blind_s:
+            return now
+        return looked
+
     def verdict(self, rid: str, *, healthy: bool) -> Verdict | None:
         """Why ``rid``'s lookup is abandoned now, or None to keep waiting."""
         with self._lock:
@@ -101,12 +121,13 @@ class LookupDeadline:
             if began is None:
                 return None
             now = self._clock()
-            if not healthy and now - self._progress_at > self.alive_s:
+            judged = self._judged_at(now)
+            if not healthy and judged - self._progress_at > self.alive_s:
                 return Verdict("server_down", f"server unhealthy after {now - began:.1f}s")
             if now - began > self.max_s:
                 return Verdict("too_long", f"still loading after {now - began:.1f}s "
                                            f"(limit {self.max_s:.0f}s)")
-            quiet = now - max(began, self._progress_at)
+            quiet = judged - max(began, self._progress_at)
             if quiet > self.stall_s:
                 return Verdict("stalled", f"no progress for {quiet:.1f}s (server stalled)")
             return None
@@ -134,19 +155,21 @@ class ServerProgressProbe:
         self._thread.start()
 
     def _run(self) -> None:
+        self.deadline.looked()
         while not self._stop.wait(self.interval_s):
             if self.deadline.pending == 0:
                 self._last = None  # the next wait starts from a fresh reading
+                self.deadline.looked()
                 continue
             self.polls += 1
             status = self._fetch(self.status_url, self.timeout_s)
-            if status is None:
-                continue
-            self.answers += 1
-            token = progress_token(status)
-            if self._last is not None and token != self._last:
-                self.deadline.progressed()
-            self._last = token
+            if status is not None:
+                self.answers += 1
+                token = progress_token(status)
+                if self._last is not None and token != self._last:
+                    self.deadline.progressed()
+                self._last = token
+            self.deadline.looked()
 
     def describe(self) -> str:
         """For the bypass log line: what the probe saw."""

@@ -1,27 +1,36 @@
-"""How long a vLLM worker waits for the KV it is restoring: as long as the server is alive, up to a
-ceiling, not a fixed ``mq_timeout``.
+"""How long a vLLM worker waits for the LMCache server's answers: a restore's KV as long as the
+server is alive (up to a ceiling), a store's receipt only while the server is healthy, and
+nothing once nobody listens at the server's socket.
 
-On CPU, LMCache moves restored KV from its L1 into vLLM's worker with the engine_driven pickle
-transport: the server pickles every chunk of the request into one reply and the worker waits for
-it with ``future.result(timeout=mq_timeout)``.  That reply grows with the conversation (2 GiB of
-KV took longer than the 15 s ``KVP_MQ_TIMEOUT_S`` here), so a long restore that was found and
-loaded was thrown away at the last step and recomputed.
+On CPU, LMCache moves KV between vLLM's worker and its L1 with the engine_driven pickle transport,
+whose every call waits for the server with ``future.result(timeout=mq_timeout)``:
+
+* a restore's reply grows with the conversation (2 GiB of KV took longer than the 15 s
+  ``KVP_MQ_TIMEOUT_S`` here), so a long restore that was found and loaded was thrown away at its
+  last step and recomputed;
+* a store in flight when the server dies waited ``mq_timeout`` twice (prepare, then commit): the
+  request that carried it took 30 s, although the answer can never come.
 
 Invariants
 ----------
-* A reply is waited for ``base_s`` (LMCache's ``mq_timeout``) in any case, as LMCache does.
-* Past ``base_s`` the wait goes on while the connector's heartbeat says the server is alive; it
-  ends once the heartbeat has said *unhealthy* for ``dead_after_s`` without a break (a server
-  busy pickling gigabytes may miss one beat: that is not a death), or at ``max_s`` in all
-  (``KVP_LOOKUP_MAX_S``).  A reply that does not come is a failed load: vLLM recomputes
-  (``kv_load_failure_policy=recompute``), never a wrong token.
-* Only the pickle transport's ``prepare_retrieve`` is replaced; its reply handling is LMCache
-  0.5.6's own, line for line (``tests/serving/test_transfer_wait.py`` checks the replaced method is
-  still the one it was written against).
+* A restore's reply (``prepare_retrieve``) is waited for while the server is alive, up to
+  ``max_s`` (``KVP_LOOKUP_MAX_S``).  It is given up when nobody listens at the server's socket
+  (``gone``: a killed server refuses connections), or once the heartbeat has said *unhealthy*
+  for ``dead_after_s`` without a break (a stopped or wedged server; a server busy pickling
+  gigabytes may miss one beat: that is not a death).  A reply that does not come is a failed
+  load: vLLM recomputes (``kv_load_failure_policy=recompute``), never a wrong token.
+* A receipt (``prepare_store``, ``commit_store``, ``commit_retrieve``) is waited for at most
+  ``base_s`` (LMCache's ``mq_timeout``), as LMCache does, and given up as soon as the server is
+  gone or the heartbeat says unhealthy: a lost store is a later miss, never worth a request's
+  latency (LMCache's worker drops stores itself while unhealthy).
+* Each replaced method is LMCache 0.5.6's own apart from the wait, statement for statement
+  (``tests/serving/test_transfer_wait.py`` checks the methods are still the ones it was written
+  against); where they are not, nothing is replaced and LMCache's fixed timeouts apply.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import threading
@@ -31,100 +40,174 @@ from typing import Any
 
 logger = logging.getLogger("vllm.kvpersist.transfer_wait")  # inherits vLLM's log handler
 Clock = Callable[[], float]
+REPLACED = ("prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve")
 
 
-class ReplyWait:
+def never_gone() -> bool:
+    return False
+
+
+class ServerWait:
     """The wait policy of one worker (see module invariants)."""
 
     def __init__(self, alive: Callable[[], bool], *, base_s: float, max_s: float,
-                 dead_after_s: float, poll_s: float = 0.25,
-                 clock: Clock = time.monotonic) -> None:
+                 dead_after_s: float, gone: Callable[[], bool] = never_gone,
+                 poll_s: float = 0.25, clock: Clock = time.monotonic) -> None:
         self.alive = alive
+        self.gone = gone
         self.base_s = base_s
         self.max_s = max(max_s, base_s)
         self.dead_after_s = dead_after_s
         self.poll_s = poll_s
         self._clock = clock
-        self.extended = 0  # replies that came after base_s (would have been lost before)
-        self.abandoned = 0
+        self.extended = 0  # restore replies that came after base_s (lost before)
+        self.abandoned = 0  # restore replies given up
+        self.receipts_abandoned = 0  # store/commit receipts given up before base_s
+        self.last_reason = ""  # why the policy last ended a wait
 
-    def result(self, future: Any) -> Any:
-        """``future``'s result, or TimeoutError when the policy gives up on it."""
+    def reply(self, future: Any) -> Any:
+        """A restore's reply, or TimeoutError when the policy gives up on it."""
         began = self._clock()
-        try:
-            return future.result(timeout=self.base_s)
-        except TimeoutError:
-            pass
-        unhealthy_since: float | None = None
-        while True:
-            now = self._clock()
-            if now - began >= self.max_s:
-                break
-            if self.alive():
-                unhealthy_since = None
-            else:
-                if unhealthy_since is None:
-                    unhealthy_since = now
-                if now - unhealthy_since >= self.dead_after_s:
-                    break
-            try:
-                value = future.result(timeout=min(self.poll_s, self.max_s - (now - began)))
-            except TimeoutError:
-                continue
+        value = self._wait(future, self.max_s, patient=True)
+        waited = self._clock() - began
+        if waited > self.base_s:
             self.extended += 1
             logger.info("kvpersist: a restore's KV arrived after %.1fs (beyond the %.0fs "
                         "KVP_MQ_TIMEOUT_S; waited because the server was alive)",
-                        self._clock() - began, self.base_s)
-            return value
-        self.abandoned += 1
-        raise TimeoutError
+                        waited, self.base_s)
+        return value
+
+    def receipt(self, future: Any) -> Any:
+        """A store's or commit's answer, or TimeoutError (after ``base_s``, or at once when the
+        server is gone or unhealthy)."""
+        return self._wait(future, self.base_s, patient=False)
+
+    def _wait(self, future: Any, limit_s: float, *, patient: bool) -> Any:
+        began = self._clock()
+        unhealthy_since: float | None = None
+        step = min(self.poll_s, self.base_s)  # the first look: LMCache's base, if shorter
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(step,
+                                                          limit_s - (self._clock() - began))))
+            except TimeoutError:
+                step = self.poll_s
+            now = self._clock()
+            reason = ""
+            if now - began >= limit_s:
+                reason = f"no answer within {limit_s:.0f}s"
+            elif self.gone():
+                reason = "nobody listens at the server's socket"
+            elif self.alive():
+                unhealthy_since = None
+            elif not patient:
+                reason = "the heartbeat says the server is unhealthy"
+            else:
+                unhealthy_since = now if unhealthy_since is None else unhealthy_since
+                if now - unhealthy_since >= self.dead_after_s:
+                    reason = f"the heartbeat said unhealthy for {now - unhealthy_since:.0f}s"
+            if reason:
+                self._gave_up(reason, now - began, patient)
+                raise TimeoutError(reason)
+
+    def _gave_up(self, reason: str, waited: float, patient: bool) -> None:
+        """Counts and logs what the policy ended (a receipt's timeout at the base is LMCache's
+        own and is not counted)."""
+        if patient:
+            self.last_reason = reason
+            self.abandoned += 1
+            logger.warning("kvpersist: a restore's KV reply is given up after %.1fs (%s); the "
+                           "request is recomputed", waited, reason)
+        elif waited < self.base_s:
+            self.last_reason = reason
+            self.receipts_abandoned += 1
+            if self.receipts_abandoned & (self.receipts_abandoned - 1) == 0:  # 1, 2, 4, ...
+                logger.warning("kvpersist: a store's receipt is given up after %.1fs (%s; %d so "
+                               "far)", waited, reason, self.receipts_abandoned)
 
 
-_installed: ReplyWait | None = None
-_original: Any = None
+_installed: ServerWait | None = None
+_originals: dict[str, Any] = {}
 _install_lock = threading.Lock()
 
 
-def install(wait: ReplyWait) -> bool:
-    """Make LMCache's pickle transport wait for retrieve replies by ``wait`` in this process.
-    Returns False (and changes nothing) when LMCache's method is not the expected one."""
-    global _installed, _original
+def _policy_result(transport: Any, future: Any, *, restore: bool) -> Any:
+    """``future``'s result under the installed policy (LMCache's own timeout without one)."""
+    policy = _installed
+    if policy is None:
+        return future.result(timeout=transport.mq_timeout)
+    return policy.reply(future) if restore else policy.receipt(future)
+
+
+def prepare_store(self: Any, key: Any, instance_id: int) -> Any:
+    future = self.req_client.prepare_store(key, instance_id)
+    with contextlib.suppress(TimeoutError):
+        _policy_result(self, future, restore=False)
+    return None
+
+
+def commit_store(self: Any, key: Any, instance_id: int, chunks: list[Any]) -> bool:
+    serialised = pickle.dumps(chunks)
+    future = self.req_client.commit_store(key, instance_id, serialised)
+    try:
+        return bool(_policy_result(self, future, restore=False))
+    except TimeoutError:
+        return False
+
+
+def prepare_retrieve(self: Any, key: Any, instance_id: int) -> Any:
+    future = self.req_client.prepare_retrieve(key, instance_id)
+    try:
+        response = _policy_result(self, future, restore=True)
+    except TimeoutError:
+        return None
+    if not response.success or not response.data:
+        return None
+    return pickle.loads(response.data)
+
+
+def commit_retrieve(self: Any, key: Any, instance_id: int) -> bool:
+    future = self.req_client.commit_retrieve(key, instance_id)
+    with contextlib.suppress(TimeoutError):
+        _policy_result(self, future, restore=False)
+    return True
+
+
+_REPLACEMENTS: dict[str, Callable[..., Any]] = {
+    "prepare_store": prepare_store, "commit_store": commit_store,
+    "prepare_retrieve": prepare_retrieve, "commit_retrieve": commit_retrieve}
+
+
+def install(wait: ServerWait) -> bool:
+    """Make LMCache's pickle transport wait by ``wait`` in this process.  Returns False (and
+    changes nothing) when LMCache's methods are not the expected ones."""
+    global _installed
     from lmcache.v1.multiprocess.transfer_context import pickle as transport
 
+    cls = transport.EngineDrivenContextPickle
     with _install_lock:
-        cls = transport.EngineDrivenContextPickle
-        if _installed is None and getattr(cls.prepare_retrieve, "__qualname__", "") != \
-                "EngineDrivenContextPickle.prepare_retrieve":
-            logger.warning("kvpersist: LMCache's pickle transport is not the one kvpersist knows; "
-                           "long restores are bounded by KVP_MQ_TIMEOUT_S")
-            return False
-        if _installed is None:
-            _original = cls.prepare_retrieve
+        if not _originals:
+            unknown = [name for name in REPLACED if getattr(getattr(cls, name, None),
+                                                            "__qualname__", "")
+                       != f"EngineDrivenContextPickle.{name}"]
+            if unknown:
+                logger.warning("kvpersist: LMCache's pickle transport is not the one kvpersist "
+                               "knows (%s); its waits stay KVP_MQ_TIMEOUT_S", ", ".join(unknown))
+                return False
+            for name in REPLACED:
+                _originals[name] = getattr(cls, name)
+                setattr(cls, name, _REPLACEMENTS[name])
         _installed = wait
-
-        def prepare_retrieve(self: Any, key: Any, instance_id: int) -> Any:
-            future = self.req_client.prepare_retrieve(key, instance_id)
-            policy = _installed
-            try:
-                response = (policy.result(future) if policy is not None
-                            else future.result(timeout=self.mq_timeout))
-            except TimeoutError:
-                return None
-            if not response.success or not response.data:
-                return None
-            return pickle.loads(response.data)
-
-        prepare_retrieve.__qualname__ = "kvpersist.prepare_retrieve"
-        cls.prepare_retrieve = prepare_retrieve
     return True
 
 
 def uninstall() -> None:
-    """Give LMCache its own method back (tests that install a policy in their own process)."""
-    global _installed, _original
+    """Give LMCache its own methods back (tests that install a policy in their own process)."""
+    global _installed
     from lmcache.v1.multiprocess.transfer_context import pickle as transport
 
     with _install_lock:
-        if _original is not None:
-            transport.EngineDrivenContextPickle.prepare_retrieve = _original
-        _installed = _original = None
+        for name, method in _originals.items():
+            setattr(transport.EngineDrivenContextPickle, name, method)
+        _originals.clear()
+        _installed = None

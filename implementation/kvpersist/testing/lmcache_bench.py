@@ -9,6 +9,7 @@ compare against.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,10 +73,14 @@ class BenchDriver:
         self.client.end_session(request)
         return bool(result is not None and result.succeeded)
 
-    def lookup_and_retrieve(self, seq: int, expected: list[str]) -> RoundTrip:
-        """LOOKUP, then RETRIEVE the hit prefix into zeroed buffers and compare checksums."""
+    def lookup_and_retrieve(self, seq: int, expected: list[str],
+                            between: Callable[[], None] | None = None) -> RoundTrip:
+        """LOOKUP, then RETRIEVE the hit prefix into zeroed buffers and compare checksums;
+        ``between()`` runs after the LOOKUP (e.g. to stop the server before the RETRIEVE)."""
         request = self._request(seq, "load")
         lookup = self.client.lookup(request)
+        if between is not None:
+            between()
         hit_tokens = lookup.hit_chunks * request.chunk_size
         ok = True
         match = True
