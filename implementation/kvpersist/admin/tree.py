@@ -40,16 +40,30 @@ class NodePart:
         return self.holder is not None
 
 
-def node_parts(tree: Path) -> list[NodePart]:
-    """Every node's part of ``tree`` (sorted by node id); an unreadable part carries its error."""
+def part_names(tree: Path) -> list[str]:
+    """The node ids with a part in ``tree``, sorted; InventoryError when it cannot be listed."""
     nodes_dir = tree / NODES_DIR_NAME
     try:
-        names = sorted(e.name for e in os.scandir(nodes_dir) if e.is_dir(follow_symlinks=False))
+        return sorted(e.name for e in os.scandir(nodes_dir) if e.is_dir(follow_symlinks=False))
     except OSError as exc:
         raise InventoryError(f"{nodes_dir} cannot be listed ({exc.strerror}); is {tree} a "
                              "shared tree (KVP_NODE_ID set on its nodes)?") from None
+
+
+def live_recorded_namespaces(tree: Path) -> set[str]:
+    """The protected namespaces of ``tree`` (module invariants) from lock probes and records
+    alone, without inventorying any part: what a cleanup needs, at any tree size.
+    InventoryError when the parts cannot be listed (then nothing is known)."""
+    nodes_dir = tree / NODES_DIR_NAME
+    return {ns for name in part_names(tree) if root_lock_holder(nodes_dir / name) is not None
+            for ns in list_records(nodes_dir / name)}
+
+
+def node_parts(tree: Path) -> list[NodePart]:
+    """Every node's part of ``tree`` (sorted by node id); an unreadable part carries its error."""
+    nodes_dir = tree / NODES_DIR_NAME
     parts = []
-    for name in names:
+    for name in part_names(tree):
         root = nodes_dir / name
         holder = root_lock_holder(root)
         records = tuple(sorted(list_records(root)))

@@ -37,9 +37,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         print(f"kvp-admin cleanup: {exc}", file=sys.stderr)
         return EXIT_ERROR
     if args.apply and source.startswith("unknown") and not args.no_active:
-        print("kvp-admin cleanup: the server does not answer, so the active namespaces are "
-              "unknown; give --active NS (repeatable) or --no-active to treat all as stale",
-              file=sys.stderr)
+        print(f"kvp-admin cleanup: the active namespaces are {source}; give --active NS "
+              "(repeatable) or --no-active to treat all as stale", file=sys.stderr)
         return EXIT_ERROR
     inv = inventory_or_exit(settings, "cleanup")
     target = None if args.target_gb is None else quota_bytes(args.target_gb, "--target-gb")

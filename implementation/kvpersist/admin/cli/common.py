@@ -17,7 +17,7 @@ from ...l2.inventory import Inventory, InventoryError, build_inventory
 from ..budget import GIB, check_namespace
 from ..progress import stderr_progress
 from ..report import active_namespaces_from_server
-from ..tree import node_parts, protected_namespaces
+from ..tree import live_recorded_namespaces
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_OFF = 0, 1, 2, 3
 _S = TypeVar("_S")
@@ -104,12 +104,12 @@ def active_namespaces(args: argparse.Namespace, settings: ServerSettings) -> tup
     found = active_namespaces_from_server(settings.http_url)
     if settings.shared:  # any node may read any part: every live node's namespaces count
         try:
-            protected = protected_namespaces(node_parts(settings.tree))
-        except InventoryError:
-            protected = set()
+            protected = live_recorded_namespaces(settings.tree)
+        except InventoryError as exc:  # nobody knows which namespaces live nodes serve
+            return found or set(), f"unknown (the tree's parts cannot be listed: {exc})"
         if found is None:
             return protected, "live nodes' records (this node's server not answering)"
         return found | protected, "server + live nodes' records"
     if found is None:
-        return set(), "unknown (server not answering; give --active)"
+        return set(), "unknown (the server does not answer)"
     return found, "server"
