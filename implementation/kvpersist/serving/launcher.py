@@ -14,8 +14,9 @@ Invariants
   10 s); a lookup is abandoned after ``KVP_LOOKUP_TIMEOUT_S`` (5 s) without progress, or after
   ``KVP_LOOKUP_MAX_S`` (600 s) in all (:mod:`kvpersist.serving.lookup_deadline`); blocking
   LMCache calls (registration, shutdown) give up after ``KVP_MQ_TIMEOUT_S`` (15 s; LMCache: 300 s).
-* On a machine without CUDA the transfer mode is ``engine_driven``: ``lmcache_driven`` leaves
-  a 1 GiB ``/dev/shm`` segment per vLLM run there.  ``KVP_MP_TRANSFER_MODE`` overrides.
+* On a machine without CUDA the transfer mode is ``engine_driven`` (``KVP_MP_TRANSFER_MODE``
+  overrides).  Shared-memory segments earlier ``lmcache_driven`` runs left in ``/dev/shm`` are
+  removed before vLLM starts (:mod:`kvpersist.serving.shm_sweep`).
 * With persistence on, vLLM also gets ``--enable-prompt-tokens-details``, so a client sees the
   restored prefix as ``usage.prompt_tokens_details.cached_tokens``.
 * A failed KV load is recomputed (``kv_load_failure_policy: recompute``), never an error.
@@ -38,6 +39,7 @@ from ..config.client import CONNECTOR_CLASS, CONNECTOR_MODULE, LauncherSettings,
 from ..config.environment import process_env
 from ..config.server import ServerSettings, load_settings
 from ..config.values import SettingsError
+from .shm_sweep import sweep_stale_segments
 
 VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")  # `vllm serve` needs a dist named vllm
 PROMPT_DETAILS_FLAG = "--enable-prompt-tokens-details"
@@ -170,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("kvpersist: KV persistence " + (f"on (pins {launcher.identity_pins})"
           if launcher.persist else "off (KV_PERSIST=0): the recipe runs without the connector"),
           file=sys.stderr)
+    swept = sweep_stale_segments()
+    if swept.segments:
+        print(f"kvpersist: removed {swept} left by earlier vLLM runs", file=sys.stderr)
     env = process_env()
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.execvpe(command[0], command, env)

@@ -57,6 +57,7 @@ from .private_paths import (
     ensure_private_dir,
     open_private_log,
 )
+from .shm_sweep import sweep_stale_segments
 
 HTTP_TIMEOUT_S = http.DEFAULT_TIMEOUT_S
 #: How long stop (or a failed start) waits for the log relay to write the server's last lines.
@@ -268,6 +269,7 @@ def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = No
     the log through a relay (:mod:`kvpersist.serving.log_relay`), so the server never waits on
     the log's device."""
     stale = _prepare_start(settings)
+    sweep_stale_segments()  # what earlier CPU lmcache_driven runs left in /dev/shm
     cmd = server_command(settings)
     began = time.monotonic()
     log = open_private_log(settings.log_file)
@@ -393,6 +395,7 @@ def stop_server(settings: ServerSettings) -> StopResult:
         for path in (settings.request_socket, settings.http_socket):
             with contextlib.suppress(OSError):
                 remove_socket(path)
+    sweep_stale_segments()  # segments of vLLM workers that are gone (the server mapped them)
     return StopResult(status, signalled=True, graceful=graceful)
 
 

@@ -1,0 +1,56 @@
+"""The sweep of LMCache's CPU shared-memory segments: a dead worker's segment goes, a live
+worker's, another account's and anything not LMCache's stay."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpersist.serving.shm_sweep import SHM_DIR, sweep_stale_segments
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_only_dead_workers_segments_of_this_account_go(tmp_path: Path) -> None:
+    gone = dead_pid()
+    dead = tmp_path / f"lmcache_kv_{gone}_0"
+    dead.write_bytes(b"k" * 4096)
+    live = tmp_path / f"lmcache_kv_{os.getpid()}_0"
+    live.write_bytes(b"k")
+    others = [tmp_path / "psm_0123abcd", tmp_path / f"lmcache_l1_pool_{gone}",
+              tmp_path / f"lmcache_kv_{gone}_0.bak"]
+    for path in others:
+        path.write_bytes(b"x")
+    foreign = tmp_path / f"lmcache_kv_{gone}_1"
+    foreign.write_bytes(b"f")
+    if os.geteuid() == 0:
+        os.chown(foreign, 65534, 65534)
+    swept = sweep_stale_segments(tmp_path)
+    assert not dead.exists() and live.exists() and all(p.exists() for p in others)
+    assert foreign.exists() == (os.geteuid() == 0)  # as root: owned by nobody, kept
+    assert (swept.segments, swept.bytes) == (1 if os.geteuid() == 0 else 2,
+                                             4096 if os.geteuid() == 0 else 4097)
+    assert sweep_stale_segments(tmp_path / "missing").segments == 0
+
+
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
+def test_a_real_posix_segment_of_a_dead_worker_is_removed() -> None:
+    """A segment made through shm_open (as LMCache's CPU transport makes it), named for a worker
+    that has exited."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    name = f"lmcache_kv_{dead_pid()}_7"
+    segment = shared_memory.SharedMemory(name=name, create=True, size=1 << 20)
+    resource_tracker.unregister(f"/{name}", "shared_memory")  # as a killed worker leaves it
+    segment.close()
+    assert (SHM_DIR / name).exists()
+    assert sweep_stale_segments().segments >= 1
+    assert not (SHM_DIR / name).exists()
