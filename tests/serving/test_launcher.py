@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from kvpersist.config.client import load_launcher_settings
 from kvpersist.config.server import load_settings
 from kvpersist.config.values import SettingsError
-from kvpersist.serving.launcher import PROMPT_DETAILS_FLAG, vllm_command
+from kvpersist.serving.launcher import PROMPT_DETAILS_FLAG, default_transfer_mode, vllm_command
 from kvpersist.testing.helpers import TINY_PINS
 
 RECIPE = ["--host", "127.0.0.1", "-tp", "1", "--chat-template", "tmpl.jinja"]
@@ -57,3 +58,17 @@ def test_persistence_without_pins_is_a_clear_error(tmp_path: Path) -> None:
     settings = load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path)})
     with pytest.raises(SettingsError, match="KVP_IDENTITY_PINS"):
         vllm_command("m", [], launcher=load_launcher_settings({}), settings=settings)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA: the mode is auto")
+def test_without_cuda_the_kv_cache_goes_to_shared_memory_when_it_fits(tmp_path: Path) -> None:
+    free_gib = shutil.disk_usage(tmp_path).free / 2**30
+    assert default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path)[0] == (
+        "lmcache_driven" if free_gib >= 1.2 else "engine_driven")
+    mode, why = default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": str(int(free_gib) + 1)},
+                                      tmp_path)
+    assert mode == "engine_driven" and "GiB free" in why  # a full tmpfs would SIGBUS the worker
+    mode, why = default_transfer_mode({}, tmp_path)
+    assert mode == "engine_driven" and "VLLM_CPU_KVCACHE_SPACE" in why
+    assert default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path / "none")[0] == \
+        "engine_driven"
