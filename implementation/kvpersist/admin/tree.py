@@ -14,12 +14,11 @@ Invariants
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config.server import NODES_DIR_NAME
+from ..config.server import NODES_DIR_NAME, node_part_names
 from ..identity.records import list_records
 from ..l2.inventory import InventoryError, build_inventory
 from ..l2.lock import root_lock_holder
@@ -42,12 +41,11 @@ class NodePart:
 
 def part_names(tree: Path) -> list[str]:
     """The node ids with a part in ``tree``, sorted; InventoryError when it cannot be listed."""
-    nodes_dir = tree / NODES_DIR_NAME
     try:
-        return sorted(e.name for e in os.scandir(nodes_dir) if e.is_dir(follow_symlinks=False))
+        return node_part_names(tree)
     except OSError as exc:
-        raise InventoryError(f"{nodes_dir} cannot be listed ({exc.strerror}); is {tree} a "
-                             "shared tree (KVP_NODE_ID set on its nodes)?") from None
+        raise InventoryError(f"{tree / NODES_DIR_NAME} cannot be listed ({exc.strerror}); is "
+                             f"{tree} a shared tree (KVP_NODE_ID set on its nodes)?") from None
 
 
 def live_recorded_namespaces(tree: Path) -> set[str]:

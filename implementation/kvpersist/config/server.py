@@ -72,6 +72,14 @@ NODES_DIR_NAME = "nodes"
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
+def node_part_names(tree: Path) -> list[str]:
+    """The node ids with a part in the shared ``tree`` (its directories under ``nodes/``,
+    symlinks not followed), sorted.  The one listing of a tree's parts (start check, the
+    shared-tree reader, ``kvp-admin``); OSError when it cannot be listed."""
+    with os.scandir(tree / NODES_DIR_NAME) as entries:
+        return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+
+
 def parse_env_file(path: Path) -> dict[str, str]:
     """``KEY=value`` lines; comments, blanks, ``export`` and matching quotes are allowed."""
     try:

@@ -30,10 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..config.server import NODES_DIR_NAME, node_part_names
 from .layout import KeyFields
 
 Clock = Callable[[], float]
-NODES_DIR = "nodes"
 
 
 class SharedTree:
@@ -62,16 +62,11 @@ class SharedTree:
         with self._lock:
             if self._clock() - self._nodes_at <= self.nodes_ttl_s:
                 return list(self._nodes)
-        parts: list[Path] = []
         try:
-            with os.scandir(self.tree / NODES_DIR) as entries:
-                for entry in entries:
-                    path = Path(entry.path)
-                    if entry.is_dir(follow_symlinks=False) and path != self.own_part:
-                        parts.append(path)
+            parts = [path for name in node_part_names(self.tree)
+                     if (path := self.tree / NODES_DIR_NAME / name) != self.own_part]
         except OSError:
             parts = []  # the tree is unreachable: every key is a miss until it is back
-        parts.sort()
         with self._lock:
             self._nodes, self._nodes_at = parts, self._clock()
             self._counts["fs_ops"] += 1

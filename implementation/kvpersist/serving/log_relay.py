@@ -32,10 +32,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-
-from .pidfile import process_start_ticks
 
 #: The pipe size asked for (Linux's default cap for unprivileged processes is 1 MiB).
 PIPE_BYTES = 1 << 20
@@ -116,20 +113,6 @@ def start_log_relay(log_fd: int, *, python: str = sys.executable) -> LogRelay:
     finally:
         os.close(read_fd)
     return LogRelay(proc, write_fd)
-
-
-def wait_gone(pid: int, timeout_s: float) -> bool:
-    """Wait until ``pid`` (a relay started earlier, maybe by another process) has exited;
-    False on timeout.  Never signals it."""
-    ticks = process_start_ticks(pid)
-    deadline = time.monotonic() + timeout_s
-    while ticks is not None and process_start_ticks(pid) == ticks:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def main() -> int:

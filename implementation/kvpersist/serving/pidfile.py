@@ -16,6 +16,7 @@ import contextlib
 import enum
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,24 @@ class PidStatus:
         if self.record is None:
             return f"no pid file at {path}"
         return f"pid file {path}: pid {self.record.pid} {self.state.value}"
+
+
+def wait_exited(pid: int, timeout_s: float, *, ticks: int | None = None,
+                interval_s: float = 0.02) -> bool:
+    """Wait until the process ``pid`` (started at ``ticks``; default: whichever runs now) has
+    exited, reaping it if it is our child; False on timeout.  A pid reused by a new process
+    counts as exited.  Never signals anything."""
+    if ticks is None:
+        ticks = process_start_ticks(pid)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        if ticks is None or process_start_ticks(pid) != ticks:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
 
 
 def process_start_ticks(pid: int) -> int | None:

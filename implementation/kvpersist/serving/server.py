@@ -38,10 +38,10 @@ from typing import Any, NoReturn
 
 from ..config.adapters import l2_adapter_config
 from ..config.environment import process_env
-from ..config.server import NODES_DIR_NAME, ServerSettings, access_warning
+from ..config.server import NODES_DIR_NAME, ServerSettings, access_warning, node_part_names
 from . import http
 from .lmcache_entry import SocketPathError, clear_stale_socket, remove_socket
-from .log_relay import start_log_relay, wait_gone
+from .log_relay import start_log_relay
 from .pidfile import (
     PidRecord,
     PidState,
@@ -49,6 +49,7 @@ from .pidfile import (
     check_pid_file,
     process_start_ticks,
     remove_pid_file,
+    wait_exited,
     write_pid_file,
 )
 from .private_paths import (
@@ -166,15 +167,13 @@ def check_node_shares(settings: ServerSettings) -> None:
     """A shared tree holds at most ``KVP_SHARED_NODES`` node parts, this node's included: each
     part is capped at one share, so the tree stays within ``KVP_CACHE_BUDGET_GB`` only then.
     A retired node's part still holds files, so it still counts."""
-    nodes = settings.tree / NODES_DIR_NAME
     try:
-        others = sorted(e.name for e in os.scandir(nodes)
-                        if e.is_dir(follow_symlinks=False) and e.name != settings.node_id)
+        others = [n for n in node_part_names(settings.tree) if n != settings.node_id]
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise ServerError(f"cannot list {nodes} ({exc.strerror}); is the shared tree mounted?"
-                          ) from None
+        raise ServerError(f"cannot list {settings.tree / NODES_DIR_NAME} ({exc.strerror}); is "
+                          "the shared tree mounted?") from None
     if len(others) + 1 > settings.shared_nodes:
         raise ServerError(
             f"the shared tree {settings.tree} already has parts for {len(others)} other node(s) "
@@ -339,25 +338,12 @@ def _terminate(pid: int, timeout_s: float) -> bool:
     ticks = process_start_ticks(pid)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _reap_or_gone(pid, ticks):
-            return True
-        time.sleep(0.1)
+    if wait_exited(pid, timeout_s, ticks=ticks, interval_s=0.1):
+        return True
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    for _ in range(50):
-        if _reap_or_gone(pid, ticks):
-            break
-        time.sleep(0.1)
+    wait_exited(pid, 5.0, ticks=ticks, interval_s=0.1)
     return False
-
-
-def _reap_or_gone(pid: int, ticks: int | None) -> bool:
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
-    now = process_start_ticks(pid)
-    return now is None or now != ticks
 
 
 @dataclass(frozen=True)
@@ -389,7 +375,7 @@ def stop_server(settings: ServerSettings) -> StopResult:
     assert status.record is not None
     graceful = _terminate(status.record.pid, settings.stop_timeout_s)
     if status.record.log_relay_pid:  # the server's last lines are in the log on return
-        wait_gone(status.record.log_relay_pid, RELAY_DRAIN_S)
+        wait_exited(status.record.log_relay_pid, RELAY_DRAIN_S)
     remove_pid_file(settings.pid_file, status.record)
     if settings.unix_sockets:  # the recorded server is gone: its socket files go too
         for path in (settings.request_socket, settings.http_socket):
