@@ -270,11 +270,16 @@ def _check_shared(settings: ServerSettings) -> None:
                             f"{settings.l2_adapter!r}: only it keeps per-node parts and "
                             "verifies what other nodes wrote")
     runtime = settings.runtime_dir
-    if runtime is None or runtime == settings.tree or settings.tree in runtime.parents:
+    if runtime is None or _within(runtime, settings.tree):
         raise SettingsError(
             "KVP_NODE_ID (a shared tree) needs KVP_RUNTIME_DIR on the node's local disk, outside "
             f"KVP_CACHE_ROOT={settings.tree}: the sockets, the pid file and the log belong to "
             "one node (e.g. KVP_RUNTIME_DIR=/run/kvpersist)")
+
+
+def _within(path: Path, root: Path) -> bool:
+    """``path`` is ``root`` or below it (both absolute, as settings hold them)."""
+    return path == root or root in path.parents
 
 
 def _serde(name: str, raw: str) -> dict[str, Any] | None:
@@ -312,7 +317,7 @@ def _check_access(settings: ServerSettings) -> None:
         return
     if settings.access_gid is not None:
         runtime = settings.socket_dir
-        if runtime == settings.cache_root or settings.cache_root in runtime.parents:
+        if _within(runtime, settings.cache_root):
             raise SettingsError(
                 "KVP_ACCESS_GROUP needs KVP_RUNTIME_DIR outside KVP_CACHE_ROOT (the cache root "
                 "stays 0700, so the group could not reach sockets inside it); e.g. "
