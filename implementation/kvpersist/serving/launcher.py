@@ -29,6 +29,7 @@ Invariants
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -188,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         chat_template_file=args.chat_template)
             print(json.dumps(config, separators=(",", ":")))
             return 0
+        mode, why = launcher.transfer_mode, "KVP_MP_TRANSFER_MODE"
+        if launcher.persist and not mode:  # resolved once: the mode printed is the mode given
+            mode, why = default_transfer_mode()
+            launcher = dataclasses.replace(launcher, transfer_mode=mode)
         command = vllm_command(argv[0], argv[1:], launcher=launcher, settings=settings)
     except (SettingsError, FileNotFoundError) as exc:
         print(f"kvp-vllm: {exc}", file=sys.stderr)
@@ -196,8 +201,6 @@ def main(argv: Sequence[str] | None = None) -> int:
           if launcher.persist else "off (KV_PERSIST=0): the recipe runs without the connector"),
           file=sys.stderr)
     if launcher.persist:
-        mode, why = ((launcher.transfer_mode, "KVP_MP_TRANSFER_MODE") if launcher.transfer_mode
-                     else default_transfer_mode())
         print(f"kvpersist: LMCache transfer mode {mode} ({why})", file=sys.stderr)
     swept = sweep_stale_segments()
     if swept.segments:
