@@ -75,8 +75,12 @@ def clear_l1(settings: ServerSettings) -> None:
 
 def server_env(root: Path, **extra: str) -> dict[str, str]:
     """Settings for a test server on ``root`` with free loopback ports and a 1 GiB L1."""
-    return {"KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(free_port()),
-            "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": "1",
+    zmq_port = free_port()
+    http_port = free_port()
+    while http_port == zmq_port:  # the kernel may hand the just-closed port out again
+        http_port = free_port()
+    return {"KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(zmq_port),
+            "KVP_HTTP_PORT": str(http_port), "KVP_L1_SIZE_GB": "1",
             "KVP_CACHE_BUDGET_GB": "2", **extra}
 
 
