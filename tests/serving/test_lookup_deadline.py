@@ -57,23 +57,42 @@ def test_the_ceiling_holds_whatever_the_progress() -> None:
     assert "limit 30s" in str(d.verdict("r", healthy=True))
 
 
-def test_an_unhealthy_server_is_bypassed_at_once() -> None:
+def test_a_server_whose_socket_refuses_is_bypassed_at_once() -> None:
     d = LookupDeadline(stall_s=5, max_s=600, clock=FakeClock())
     d.begin("r")
-    assert "unhealthy" in str(d.verdict("r", healthy=False))
+    assert "nobody listens" in str(d.verdict("r", healthy=False, gone=True))
+
+
+def test_missed_beats_alone_are_not_a_death() -> None:
+    """A live server starved of CPU misses 2 s beats (seen at TP=2 on 2 cores): the heartbeat
+    must say unhealthy for dead_after_s without a break, and without progress, first."""
+    clock = FakeClock()
+    d = LookupDeadline(stall_s=60, max_s=600, clock=clock, dead_after_s=6)
+    d.begin("r")
+    clock.now += 1
+    assert d.verdict("r", healthy=False) is None
+    clock.now += 4.9  # unhealthy 4.9 s
+    assert d.verdict("r", healthy=False) is None
+    clock.now += 0.1
+    assert d.verdict("r", healthy=True) is None  # one beat answered: the count starts again
+    clock.now += 5.9
+    assert d.verdict("r", healthy=False) is None
+    clock.now += 6.1
+    assert "unhealthy for 6.1s" in str(d.verdict("r", healthy=False))
 
 
 def test_a_heartbeat_flap_during_a_progressing_load_is_not_a_bypass() -> None:
     """A server busy loading gigabytes missed its 2 s heartbeat while its counters kept moving
     (seen with a 2 GiB restore on 2 cores): alive, so the restore goes on."""
     clock = FakeClock()
-    d = LookupDeadline(stall_s=5, max_s=600, clock=clock, alive_s=2)
+    d = LookupDeadline(stall_s=60, max_s=600, clock=clock, dead_after_s=5)
     d.begin("r")
-    clock.now += 10
-    d.progressed()
-    clock.now += 1
     assert d.verdict("r", healthy=False) is None
-    clock.now += 1.5  # no progress for 2.5 s and still unhealthy: dead
+    for _ in range(20):  # unhealthy for 20 s while the server's counters move
+        clock.now += 1
+        d.progressed()
+        assert d.verdict("r", healthy=False) is None
+    clock.now += 5.5  # no progress for 5.5 s and still unhealthy: dead
     assert "unhealthy" in str(d.verdict("r", healthy=False))
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import abc
 import copy
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,7 @@ from .late_attach import (
     defer_worker_registration,
     start_scheduler_unhealthy,
 )
+from .load_fence import LoadFence
 from .lookup_deadline import LookupDeadline, ServerProgressProbe
 from .transfer_wait import ServerWait, never_gone
 from .transfer_wait import install as install_server_wait
@@ -77,6 +79,32 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("vllm.kvpersist.connector")  # inherits vLLM's log handler
+
+
+def dead_after_s(heartbeat_s: float) -> float:
+    """How long the heartbeat must say *unhealthy* without a break before a live-looking
+    server is taken for dead: several missed beats, and never under 5 s."""
+    return max(3 * heartbeat_s, 5.0)
+
+
+class GoneCache:
+    """``http.refuses_connections(url)``, asked at most every ``every_s`` (it is called on the
+    scheduler's thread for every pending lookup of every step)."""
+
+    def __init__(self, url: str | None, every_s: float = 0.25) -> None:
+        self._url = url
+        self._every_s = every_s
+        self._at = float("-inf")
+        self._gone = False
+
+    def __call__(self) -> bool:
+        if self._url is None:
+            return False
+        now = time.monotonic()
+        if now - self._at >= self._every_s:
+            self._gone = http.refuses_connections(self._url)
+            self._at = now
+        return self._gone
 
 
 def with_model_name(vllm_config: Any, model_name: str) -> Any:
@@ -166,17 +194,24 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         else:
             super().__init__(named, role, kv_cache_config)
         self.kvp_identity = identity
-        self._kvp_deadline = LookupDeadline(options.lookup_timeout_s, options.lookup_max_s)
+        adapter = self.scheduler_adapter if role is KVConnectorRole.SCHEDULER else getattr(
+            self, "worker_adapter", None)
+        heartbeat = float(getattr(adapter, "_heartbeat_interval", 2.0))
+        self._kvp_deadline = LookupDeadline(options.lookup_timeout_s, options.lookup_max_s,
+                                            dead_after_s=dead_after_s(heartbeat))
+        self._kvp_server_gone = GoneCache(options.http_url)
         self._kvp_probe: ServerProgressProbe | None = None
         if role is KVConnectorRole.SCHEDULER and options.http_url:
             self._kvp_probe = ServerProgressProbe(options.http_url.rstrip("/") + "/status",
                                                   self._kvp_deadline)
-        if role is KVConnectorRole.WORKER:
-            self._kvp_wait_for_restores(options)
         self.kvp_bypassed_requests = 0
         self.kvp_dropped_stores = 0
-        # LMCache's stats plus kvpersist's bypass counts, in vLLM's /metrics
+        # LMCache's stats plus kvpersist's bypass and failed-load counts, in vLLM's /metrics
         self._connector_stats = KvPersistConnectorStats()
+        self.kvp_fence: LoadFence | None = None
+        if role is KVConnectorRole.WORKER:
+            self._kvp_wait_for_restores(options)
+            self._kvp_fence_loads(options)
         if attach_late:
             self._kvp_start_late(vllm_config, role, options)
 
@@ -193,7 +228,17 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
             lambda: bool(adapter.is_healthy),
             gone=(lambda: http.refuses_connections(url)) if url else never_gone,
             base_s=float(getattr(adapter, "_mq_timeout", 15.0)), max_s=options.lookup_max_s,
-            dead_after_s=max(3 * heartbeat, 5.0)))
+            dead_after_s=dead_after_s(heartbeat)))
+
+    def _kvp_fence_loads(self, options: ConnectorOptions) -> None:
+        """No transfer into vLLM's KV memory is reported finished while the server may still
+        write it (:mod:`kvpersist.serving.load_fence`)."""
+        adapter = getattr(self, "worker_adapter", None)
+        if adapter is None:
+            return
+        self.kvp_fence = LoadFence(adapter, server_url=options.http_url,
+                                   record=self._connector_stats.record_failed_load)
+        self.kvp_fence.install()
 
     def _kvp_start_late(self, vllm_config: Any, role: KVConnectorRole,
                         options: ConnectorOptions) -> None:
@@ -222,13 +267,20 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
             self._kvp_skip(request)
             return 0, False
         self._kvp_deadline.begin(rid)
-        verdict = self._kvp_deadline.verdict(rid, healthy=self.scheduler_adapter.is_healthy)
+        healthy = bool(self.scheduler_adapter.is_healthy)
+        verdict = self._kvp_deadline.verdict(rid, healthy=healthy,
+                                             gone=not healthy and self._kvp_server_gone())
         if verdict is not None:
             why = verdict.text
             if self._kvp_probe is not None:
                 why += f"; {self._kvp_probe.describe()}"
             self._kvp_bypass(request, why, verdict.reason)
             return 0, False
+        if not healthy:
+            # Missed beats of a live server: LMCache would answer 0 hits and drop the lookup;
+            # the deadline above decides when it is dead (a refused socket, or unhealthy for
+            # dead_after_s without progress).  Until then the request waits.
+            return None, False
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens)
         if result[0] is not None:

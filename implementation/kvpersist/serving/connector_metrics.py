@@ -1,14 +1,17 @@
-"""The connector's own numbers in vLLM's ``/metrics``: lookups that bypassed the cache, by reason.
+"""The connector's own numbers in vLLM's ``/metrics``: lookups that bypassed the cache and loads
+that failed, by reason.
 
 vLLM collects connector statistics through ``KVConnectorStats`` objects (the scheduler's and the
 workers', aggregated, sent to the API server) and exposes them through the connector class's
 ``KVConnectorPromMetrics``.  These classes extend LMCache's (its lookup-latency histogram stays)
-with ``vllm:kvpersist_lookup_bypasses_total{reason=...}``.
+with ``vllm:kvpersist_lookup_bypasses_total{reason=...}`` and
+``vllm:kvpersist_failed_loads_total{reason=...}``.
 
 Invariants
 ----------
 * A bypass is counted once, by the scheduler connector that decided it, under one of
-  :data:`BYPASS_REASONS`; aggregation adds counts and never drops LMCache's own data.
+  :data:`BYPASS_REASONS`; a failed load once per worker that reported it, under one of
+  :data:`FAILED_LOAD_REASONS`; aggregation adds counts and never drops LMCache's own data.
 * Every class here is serializable the way vLLM needs: the payload is the ``data`` dict.
 """
 
@@ -21,23 +24,46 @@ from lmcache.integration.vllm.lmcache_mp_metrics import (
     LMCacheMPPromMetrics,
 )
 
+from .load_fence import FAILED_LOAD_REASONS
+
 BYPASSES = "kvpersist_bypasses"
-#: server_down: the heartbeat says the server is down; stalled: no progress for the lookup
-#: deadline; too_long: the lookup ceiling (``KVP_LOOKUP_MAX_S``) was reached.
+#: server_down: the server's socket refuses, or the heartbeat said unhealthy for several
+#: seconds without progress; stalled: no progress for the lookup deadline; too_long: the
+#: lookup ceiling (``KVP_LOOKUP_MAX_S``) was reached.
 BYPASS_REASONS = ("server_down", "stalled", "too_long")
 BYPASS_METRIC = "vllm:kvpersist_lookup_bypasses_total"
+FAILED_LOADS = "kvpersist_failed_loads"
+FAILED_LOAD_METRIC = "vllm:kvpersist_failed_loads_total"
+#: What each labelled counter of these stats is: data key -> (metric, reasons, help text).
+COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    BYPASSES: (BYPASS_METRIC, BYPASS_REASONS,
+               "Requests whose KV-cache lookup kvpersist abandoned (recomputed), by reason: "
+               "server_down, stalled, too_long."),
+    FAILED_LOADS: (FAILED_LOAD_METRIC, FAILED_LOAD_REASONS,
+                   "KV loads a worker reported failed to vLLM (the prompt is recomputed), "
+                   "counted per worker, by reason: server_error (the server answered that it "
+                   "failed), server_gone (its server exited with the load in flight), "
+                   "unhealthy_at_submit (never sent: the heartbeat said unhealthy)."),
+}
 
 
 class KvPersistConnectorStats(LMCacheMPConnectorStats):  # type: ignore[misc]
-    """LMCache's lookup latencies plus kvpersist's bypass counts (reason -> count)."""
+    """LMCache's lookup latencies plus kvpersist's labelled counters (:data:`COUNTERS`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.data.setdefault(BYPASSES, {})
+        for key in COUNTERS:
+            self.data.setdefault(key, {})
+
+    def _count(self, key: str, reason: str, n: int = 1) -> None:
+        counts = self.data[key]
+        counts[reason] = counts.get(reason, 0) + n
 
     def record_bypass(self, reason: str) -> None:
-        counts = self.data[BYPASSES]
-        counts[reason] = counts.get(reason, 0) + 1
+        self._count(BYPASSES, reason)
+
+    def record_failed_load(self, reason: str, n: int = 1) -> None:
+        self._count(FAILED_LOADS, reason, n)
 
     def clone_and_reset(self) -> KvPersistConnectorStats:
         snapshot = KvPersistConnectorStats(data={
@@ -48,42 +74,48 @@ class KvPersistConnectorStats(LMCacheMPConnectorStats):  # type: ignore[misc]
 
     def reset(self) -> None:
         super().reset()
-        self.data[BYPASSES] = {}
+        for key in COUNTERS:
+            self.data[key] = {}
 
     def aggregate(self, other: Any) -> KvPersistConnectorStats:
         super().aggregate(other)
-        for reason, count in getattr(other, "data", {}).get(BYPASSES, {}).items():
-            self.data[BYPASSES][reason] = self.data[BYPASSES].get(reason, 0) + count
+        theirs = getattr(other, "data", {})
+        for key in COUNTERS:
+            for reason, count in theirs.get(key, {}).items():
+                self._count(key, reason, count)
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dict(super().reduce())
         for reason, count in self.data[BYPASSES].items():
             out[f"kvpersist bypasses ({reason})"] = count
+        for reason, count in self.data[FAILED_LOADS].items():
+            out[f"kvpersist failed loads ({reason})"] = count
         return out
 
     def is_empty(self) -> bool:
-        return bool(super().is_empty()) and not self.data[BYPASSES]
+        return bool(super().is_empty()) and not any(self.data[key] for key in COUNTERS)
 
 
 class KvPersistPromMetrics(LMCacheMPPromMetrics):  # type: ignore[misc]
-    """LMCache's metrics plus ``vllm:kvpersist_lookup_bypasses_total{reason}``."""
+    """LMCache's metrics plus one labelled counter per entry of :data:`COUNTERS`."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        counter = self._counter_cls(
-            name=BYPASS_METRIC.removesuffix("_total"),
-            documentation="Requests whose KV-cache lookup kvpersist abandoned (recomputed), "
-                          "by reason: server_down, stalled, too_long.",
-            labelnames=[*labelnames, "reason"])
-        self._bypasses = {
-            engine: {reason: counter.labels(*values, reason) for reason in BYPASS_REASONS}
-            for engine, values in per_engine_labelvalues.items()}
+        self._kvp_series: dict[str, dict[int, dict[str, Any]]] = {}
+        for key, (metric, reasons, documentation) in COUNTERS.items():
+            counter = self._counter_cls(name=metric.removesuffix("_total"),
+                                        documentation=documentation,
+                                        labelnames=[*labelnames, "reason"])
+            self._kvp_series[key] = {
+                engine: {reason: counter.labels(*values, reason) for reason in reasons}
+                for engine, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
-        for reason, count in transfer_stats_data.get(BYPASSES, {}).items():
-            series = self._bypasses[engine_idx].get(reason)
-            if series is not None and count:
-                series.inc(count)
+        for key, series in self._kvp_series.items():
+            for reason, count in transfer_stats_data.get(key, {}).items():
+                counter = series[engine_idx].get(reason)
+                if counter is not None and count:
+                    counter.inc(count)

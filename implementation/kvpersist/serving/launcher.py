@@ -15,8 +15,9 @@ Invariants
   ``KVP_LOOKUP_MAX_S`` (600 s) in all (:mod:`kvpersist.serving.lookup_deadline`); blocking
   LMCache calls (registration, shutdown) give up after ``KVP_MQ_TIMEOUT_S`` (15 s; LMCache: 300 s).
 * The transfer mode is LMCache's zero-copy ``lmcache_driven`` (``auto`` with CUDA), and on a
-  machine without CUDA ``engine_driven`` (pickled) only where ``/dev/shm`` cannot hold vLLM's KV
-  cache (:func:`default_transfer_mode`); ``KVP_MP_TRANSFER_MODE`` overrides.  Shared-memory
+  machine without CUDA ``engine_driven`` (pickled) where ``/dev/shm`` cannot hold every
+  worker's KV cache or the parallel layout is not one proven here
+  (:func:`default_transfer_mode`); ``KVP_MP_TRANSFER_MODE`` overrides.  Shared-memory
   segments earlier CPU runs left in ``/dev/shm`` are removed before vLLM starts
   (:mod:`kvpersist.serving.shm_sweep`).
 * With persistence on, vLLM also gets ``--enable-prompt-tokens-details``, so a client sees the
@@ -49,13 +50,37 @@ VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")  # `vllm serve` needs 
 PROMPT_DETAILS_FLAG = "--enable-prompt-tokens-details"
 
 
+#: Layouts (tensor, pipeline parallel size) whose CPU ``lmcache_driven`` restores are proven
+#: exact here, a late write included (tests/e2e/test_load_fence_e2e.py); others are pickled.
+PROVEN_CPU_LMCACHE_DRIVEN = ((1, 1), (2, 1))
+
+
+def parallel_layout(args: Sequence[str]) -> tuple[int, int]:
+    """(tensor, pipeline) parallel size a vLLM argument list asks for; vLLM's default is 1."""
+    sizes = {"tp": 1, "pp": 1}
+    names = {"-tp": "tp", "--tensor-parallel-size": "tp",
+             "-pp": "pp", "--pipeline-parallel-size": "pp"}
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag not in names:
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if not value.isdigit() or int(value) < 1:
+            raise SettingsError(f"{flag} {value!r} is not a positive number")
+        sizes[names[flag]] = int(value)
+    return sizes["tp"], sizes["pp"]
+
+
 def default_transfer_mode(environ: Mapping[str, str] | None = None,
-                          shm_dir: Path = SHM_DIR) -> tuple[str, str]:
-    """LMCache's transfer mode for this machine, and why.  With CUDA: ``auto`` (zero-copy
-    ``lmcache_driven``).  Without: ``lmcache_driven`` too (vLLM's KV cache in a ``/dev/shm``
-    segment the server maps: a 516 MiB restore took 1.6 s against 5.5 s pickled, see README)
-    when ``/dev/shm`` has room for the KV cache ``VLLM_CPU_KVCACHE_SPACE`` asks for, since a full
-    tmpfs kills the worker with SIGBUS; otherwise ``engine_driven`` (pickled over ZMQ)."""
+                          shm_dir: Path = SHM_DIR, *, layout: tuple[int, int] = (1, 1)
+                          ) -> tuple[str, str]:
+    """LMCache's transfer mode for this machine and parallel ``layout``, and why.  With CUDA:
+    ``auto`` (zero-copy ``lmcache_driven``).  Without: ``lmcache_driven`` too (vLLM's KV cache
+    in a ``/dev/shm`` segment per worker that the server maps: a 516 MiB restore took 1.6 s
+    against 5.5 s pickled) for the layouts in :data:`PROVEN_CPU_LMCACHE_DRIVEN`, when
+    ``/dev/shm`` has room for every worker's ``VLLM_CPU_KVCACHE_SPACE`` (a full tmpfs kills a
+    worker with SIGBUS); otherwise ``engine_driven`` (pickled over ZMQ)."""
     try:
         import torch
 
@@ -63,20 +88,26 @@ def default_transfer_mode(environ: Mapping[str, str] | None = None,
             return "auto", "CUDA"
     except Exception:  # torch missing or broken: certainly no CUDA transfer path
         pass
+    tp, pp = layout
+    if layout not in PROVEN_CPU_LMCACHE_DRIVEN:
+        return "engine_driven", (f"no CUDA, and lmcache_driven is proven on CPU only for "
+                                 f"TP 1-2 at PP 1 (this is TP {tp}, PP {pp})")
     env = os.environ if environ is None else environ
     space = env.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
     if not space.isdigit() or int(space) <= 0:
         return "engine_driven", ("no CUDA, and VLLM_CPU_KVCACHE_SPACE does not say how much of "
                                  f"{shm_dir} the KV cache would take")
-    need = int(space) << 30
+    workers = tp * pp
+    need = (int(space) << 30) * workers
     try:
         free = shutil.disk_usage(shm_dir).free
     except OSError as exc:
         return "engine_driven", f"no CUDA, and {shm_dir} cannot be used ({exc.strerror})"
-    if free < need + (need >> 3):  # the KV cache and room to spare (other segments)
+    total = f"{workers} x {space} GiB KV cache" if workers > 1 else f"{space} GiB KV cache"
+    if free < need + (need >> 3):  # the KV caches and room to spare (other segments)
         return "engine_driven", (f"no CUDA, and {shm_dir} has {free / 2**30:.1f} GiB free for a "
-                                 f"{space} GiB KV cache")
-    return "lmcache_driven", f"no CUDA; the {space} GiB KV cache fits in {shm_dir}"
+                                 f"{total}")
+    return "lmcache_driven", f"no CUDA; the {total} fits in {shm_dir}"
 
 
 def kv_transfer_config(
@@ -86,6 +117,7 @@ def kv_transfer_config(
     launcher: LauncherSettings | None = None,
     chat_template_file: str | None = None,
     extra: dict[str, Any] | None = None,
+    layout: tuple[int, int] = (1, 1),
 ) -> dict[str, Any]:
     pins_path = Path(pins).absolute()
     if not pins_path.is_file():
@@ -93,7 +125,8 @@ def kv_transfer_config(
     run = launcher or load_launcher_settings()
     extra_config: dict[str, Any] = {
         "lmcache.mp.server_urls": settings.request_url,
-        "lmcache.mp.mp_transfer_mode": run.transfer_mode or default_transfer_mode()[0],
+        "lmcache.mp.mp_transfer_mode": run.transfer_mode or default_transfer_mode(
+            layout=layout)[0],
         "lmcache.mp.heartbeat_interval": run.heartbeat_s,
         "lmcache.mp.mq_timeout": run.mq_timeout_s,
         "kvpersist.pins": str(pins_path),
@@ -191,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         mode, why = launcher.transfer_mode, "KVP_MP_TRANSFER_MODE"
         if launcher.persist and not mode:  # resolved once: the mode printed is the mode given
-            mode, why = default_transfer_mode()
+            mode, why = default_transfer_mode(layout=parallel_layout(argv[1:]))
             launcher = dataclasses.replace(launcher, transfer_mode=mode)
         command = vllm_command(argv[0], argv[1:], launcher=launcher, settings=settings)
     except (SettingsError, FileNotFoundError) as exc:

@@ -41,6 +41,7 @@ from typing import Any
 
 from ..config.adapters import refuse_lossy_serde
 from ..config.values import SettingsError
+from . import fault_injection
 
 
 class SocketPathError(RuntimeError):
@@ -181,6 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, value in enumerate(adapter_arguments(lmcache_args)):
             refuse_lossy_serde(value, f"--l2-adapter #{i + 1}")
     except SettingsError as exc:
+        print(f"kvpersist: {exc}", file=sys.stderr)
+        return 2
+    try:
+        fault_injection.install()
+    except ValueError as exc:
         print(f"kvpersist: {exc}", file=sys.stderr)
         return 2
     if args.request_socket is not None:

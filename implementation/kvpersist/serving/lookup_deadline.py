@@ -8,9 +8,11 @@ restores away exactly when they matter; no deadline lets a hung server hold requ
 Invariants
 ----------
 * A lookup is abandoned (the request is recomputed) as soon as one of these holds:
-  - the connector's heartbeat says the server is unhealthy and no progress was seen in the last
-    ``alive_s`` seconds (a server busy loading gigabytes can miss a 2 s heartbeat; its moving
-    counters show it is alive, so a heartbeat flap does not throw the restore away);
+  - nobody listens at the server's socket (``gone``: a killed server), at once;
+  - the connector's heartbeat has said the server is unhealthy for ``dead_after_s`` seconds
+    without a break, and no progress was seen in that time (the liveness rule of
+    :mod:`kvpersist.serving.transfer_wait`: a server busy loading gigabytes, or starved of CPU
+    by its engine's workers, misses 2 s beats; a missed beat is not a death);
   - ``stall_s`` seconds passed since the later of its start and the server's last progress;
   - ``max_s`` seconds passed since its start (a ceiling, whatever the progress).
 * Progress is any change of the server's load counters (:func:`progress_token`: bytes the L2
@@ -72,14 +74,15 @@ class LookupDeadline:
     """Per-request bookkeeping of pending lookups (see module invariants)."""
 
     def __init__(self, stall_s: float, max_s: float, clock: Clock = time.monotonic,
-                 alive_s: float = 2.0, blind_s: float = 30.0) -> None:
+                 dead_after_s: float = 5.0, blind_s: float = 30.0) -> None:
         self.stall_s = stall_s
         self.max_s = max_s
-        self.alive_s = alive_s
+        self.dead_after_s = dead_after_s
         self.blind_s = blind_s
         self._clock = clock
         self._began: dict[str, float] = {}
         self._progress_at = float("-inf")
+        self._unhealthy_since: float | None = None
         self._looked_at: float | None = None  # None: no probe watches, judge up to now
         self._lock = threading.Lock()
 
@@ -114,16 +117,28 @@ class LookupDeadline:
             return now
         return looked
 
-    def verdict(self, rid: str, *, healthy: bool) -> Verdict | None:
-        """Why ``rid``'s lookup is abandoned now, or None to keep waiting."""
+    def verdict(self, rid: str, *, healthy: bool, gone: bool = False) -> Verdict | None:
+        """Why ``rid``'s lookup is abandoned now, or None to keep waiting.  ``gone``: nobody
+        listens at the server's socket."""
         with self._lock:
+            now = self._clock()
+            if healthy:
+                self._unhealthy_since = None
+            elif self._unhealthy_since is None:
+                self._unhealthy_since = now
             began = self._began.get(rid)
             if began is None:
                 return None
-            now = self._clock()
+            if gone:
+                return Verdict("server_down", "nobody listens at the server's socket "
+                                              f"after {now - began:.1f}s")
             judged = self._judged_at(now)
-            if not healthy and judged - self._progress_at > self.alive_s:
-                return Verdict("server_down", f"server unhealthy after {now - began:.1f}s")
+            if (self._unhealthy_since is not None
+                    and now - self._unhealthy_since >= self.dead_after_s
+                    and judged - self._progress_at > self.dead_after_s):
+                return Verdict("server_down", f"server unhealthy for "
+                                              f"{now - self._unhealthy_since:.1f}s without "
+                                              f"progress, after {now - began:.1f}s")
             if now - began > self.max_s:
                 return Verdict("too_long", f"still loading after {now - began:.1f}s "
                                            f"(limit {self.max_s:.0f}s)")

@@ -1,0 +1,92 @@
+"""Faults the tests inject into a real LMCache server through kvpersist's entry point.
+
+``KVP_FAULT_STOP_IN_RETRIEVE_S=N`` (tests only; never set by any launcher or config): every
+retrieve the server handles, in either transfer mode, first stops the *whole* server process
+for N seconds (SIGSTOP, continued by a helper process), then does its work.  Its heartbeat
+answers stop with it, so a worker's heartbeat calls the server unhealthy while the transfer is
+in flight, and the server writes afterwards: the busy-server race of a late write, made
+deterministic.  Each stop appends ``<unix time> stop|go <pid>`` to
+``KVP_FAULT_JOURNAL`` if set, so a test can order the server's writes against the worker's
+reports.
+
+Invariants: without the variable nothing is changed; a malformed value stops the server at
+start with a message (a test that thinks it injected a fault must not pass without it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+STOP_IN_RETRIEVE = "KVP_FAULT_STOP_IN_RETRIEVE_S"
+JOURNAL = "KVP_FAULT_JOURNAL"
+#: (module, class, method) of every handler that writes restored KV or hands it out.
+RETRIEVE_HANDLERS = (
+    ("lmcache.v1.multiprocess.modules.lmcache_driven_transfer", "LMCacheDrivenTransferModule",
+     "retrieve"),
+    ("lmcache.v1.multiprocess.modules.engine_driven_transfer", "EngineDrivenTransferModule",
+     "prepare_retrieve"),
+)
+
+
+def stop_seconds(environ: Mapping[str, str]) -> float | None:
+    """The configured stop, or None; ValueError names a malformed value."""
+    text = environ.get(STOP_IN_RETRIEVE, "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{STOP_IN_RETRIEVE}={text!r} is not a number of seconds") from None
+    if not 0 < seconds <= 600:
+        raise ValueError(f"{STOP_IN_RETRIEVE}={text!r} must be in (0, 600] seconds")
+    return seconds
+
+
+def _journal(event: str) -> None:
+    path = os.environ.get(JOURNAL)
+    if path:
+        with Path(path).open("a") as out:
+            out.write(f"{time.time():.6f} {event} {os.getpid()}\n")
+
+
+def stop_process(seconds: float) -> None:
+    """Stop this process for ``seconds``: a detached helper sends SIGCONT afterwards."""
+    pid = os.getpid()
+    subprocess.Popen(["/bin/sh", "-c", f"sleep {seconds}; kill -CONT {pid}"],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
+    _journal("stop")
+    os.kill(pid, signal.SIGSTOP)
+    _journal("go")
+
+
+def _stopping(handler: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    @functools.wraps(handler)  # keeps LMCache's handler registration attributes
+    def stopped_first(*args: Any, **kwargs: Any) -> Any:
+        stop_process(seconds)
+        return handler(*args, **kwargs)
+
+    return stopped_first
+
+
+def install(environ: Mapping[str, str] | None = None) -> float | None:
+    """Install the configured faults in this (server) process; returns the stop, if any."""
+    seconds = stop_seconds(os.environ if environ is None else environ)
+    if seconds is None:
+        return None
+    import importlib
+
+    for module_name, class_name, method in RETRIEVE_HANDLERS:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        setattr(cls, method, _stopping(getattr(cls, method), seconds))
+    print(f"kvpersist: FAULT INJECTION ({STOP_IN_RETRIEVE}={seconds:g}): every retrieve stops "
+          "the server first; for tests only", file=sys.stderr, flush=True)
+    return seconds
