@@ -92,7 +92,7 @@ def fenced(a: Any, world: World, clock: Clock | None = None
 @pytest.fixture(autouse=True)
 def gone_by_world(monkeypatch: pytest.MonkeyPatch) -> None:
     """ServerProcess.gone() looks at /proc; here a world decides, per test."""
-    monkeypatch.setattr(ServerProcess, "gone", lambda self, proc=None: self in DEAD)
+    monkeypatch.setattr(ServerProcess, "gone", lambda self: self in DEAD)
     DEAD.clear()
 
 
@@ -105,7 +105,7 @@ def test_without_the_fence_lmcache_reports_a_restore_in_flight_as_failed() -> No
     a = adapter()
     retrieve(a, "r1", [3, 4])
     a._health_event.clear()
-    sending, receiving = a.get_finished(set())
+    _sending, receiving = a.get_finished(set())
     assert receiving == {"r1"} and a.error_block_ids == {3, 4}
 
 
@@ -145,7 +145,7 @@ def test_a_restore_whose_server_exited_is_released_as_failed() -> None:
     assert a.get_finished(set()) == (set(), set())  # unhealthy, process alive: held
     assert world.server is not None
     DEAD.add(world.server)
-    sending, receiving = a.get_finished(set())
+    _sending, receiving = a.get_finished(set())
     assert receiving == {"r1"} and a.error_block_ids == {1, 2}
     assert a.retrieve_futures == {}
     assert stats.data["kvpersist_failed_loads"] == {"server_gone": 1}

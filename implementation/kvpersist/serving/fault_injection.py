@@ -1,8 +1,9 @@
 """Faults the tests inject into a real LMCache server through kvpersist's entry point.
 
-``KVP_FAULT_STOP_IN_RETRIEVE_S=N`` (tests only; never set by any launcher or config): every
+``KVP_FAULT_STOP_IN_RETRIEVE_S=N`` (tests only; never set by any launcher or config): a
 retrieve the server handles, in either transfer mode, first stops the *whole* server process
-for N seconds (SIGSTOP, continued by a helper process), then does its work.  Its heartbeat
+for N seconds (SIGSTOP, continued by a helper process), then does its work; the other
+ranks' retrieves of the same request do not stop it again.  Its heartbeat
 answers stop with it, so a worker's heartbeat calls the server unhealthy while the transfer is
 in flight, and the server writes afterwards: the busy-server race of a late write, made
 deterministic.  Each stop appends ``<unix time> stop|go <pid>`` to
@@ -20,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -64,15 +66,35 @@ def stop_process(seconds: float) -> None:
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, start_new_session=True)
     _journal("stop")
-    os.kill(pid, signal.SIGSTOP)
+    # Directed at this thread, the stop takes effect before this thread runs on (a signal to
+    # the process may be taken by another thread while this one goes on for a moment); it
+    # stops every thread of the process all the same.
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
     _journal("go")
 
 
-def _stopping(handler: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+class _Stopper:
+    """One stop per request: the other ranks' retrieves of a request that stopped the server
+    (queued behind it) go on at once."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._stopped: set[str] = set()
+
+    def __call__(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._stopped:
+                return
+            self._stopped.add(request_id)
+            stop_process(self.seconds)
+
+
+def _stopping(handler: Callable[..., Any], stop: _Stopper) -> Callable[..., Any]:
     @functools.wraps(handler)  # keeps LMCache's handler registration attributes
-    def stopped_first(*args: Any, **kwargs: Any) -> Any:
-        stop_process(seconds)
-        return handler(*args, **kwargs)
+    def stopped_first(module: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+        stop(str(getattr(key, "request_id", key)))
+        return handler(module, key, *args, **kwargs)
 
     return stopped_first
 
@@ -84,9 +106,10 @@ def install(environ: Mapping[str, str] | None = None) -> float | None:
         return None
     import importlib
 
+    stop = _Stopper(seconds)
     for module_name, class_name, method in RETRIEVE_HANDLERS:
         cls = getattr(importlib.import_module(module_name), class_name)
-        setattr(cls, method, _stopping(getattr(cls, method), seconds))
+        setattr(cls, method, _stopping(getattr(cls, method), stop))
     print(f"kvpersist: FAULT INJECTION ({STOP_IN_RETRIEVE}={seconds:g}): every retrieve stops "
           "the server first; for tests only", file=sys.stderr, flush=True)
     return seconds

@@ -15,7 +15,8 @@ Invariants
   (``SO_PEERCRED`` reports pid 0 there).
 * :meth:`ServerProcess.gone` is True only when that process can no longer touch memory: its
   ``/proc`` entry is missing, belongs to a later process, or is a zombie (an exited process
-  whose memory and file descriptors are released; it waits only to be reaped).
+  whose memory and file descriptors are released; it waits only to be reaped), as
+  :func:`kvpersist.serving.pidfile.process_start_ticks` reads it.
 * Nothing here sends a byte to the server; a connection is opened and closed at once.
 """
 
@@ -24,11 +25,10 @@ from __future__ import annotations
 import socket
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 from .http import UNIX_SCHEME, split_unix_url
+from .pidfile import process_start_ticks
 
-PROC = Path("/proc")
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -39,28 +39,21 @@ class ServerProcess:
     pid: int
     started: int
 
-    def gone(self, proc: Path = PROC) -> bool:
+    def gone(self) -> bool:
         """True when this process has exited (see module invariants)."""
-        stat = _stat_fields(self.pid, proc)
-        if stat is None:
-            return True
-        state, started = stat
-        return started != self.started or state in ("Z", "X", "x")
+        return process_start_ticks(self.pid) != self.started
 
     def __str__(self) -> str:
         return f"pid {self.pid}"
 
 
-def process(pid: int, proc: Path = PROC) -> ServerProcess | None:
-    """``pid`` as a :class:`ServerProcess`, or None if no such process runs."""
-    stat = _stat_fields(pid, proc)
-    if stat is None or stat[0] in ("Z", "X", "x"):
-        return None
-    return ServerProcess(pid, stat[1])
+def process(pid: int) -> ServerProcess | None:
+    """``pid`` as a :class:`ServerProcess`, or None if no such process runs (or a zombie)."""
+    ticks = process_start_ticks(pid)
+    return None if ticks is None else ServerProcess(pid, ticks)
 
 
-def listener_of(url: str | None, *, timeout: float = 0.2,
-                proc: Path = PROC) -> ServerProcess | None:
+def listener_of(url: str | None, *, timeout: float = 0.2) -> ServerProcess | None:
     """The process listening on ``url``'s Unix socket, or None (see module invariants)."""
     if not url or not url.startswith(UNIX_SCHEME):
         return None
@@ -74,18 +67,4 @@ def listener_of(url: str | None, *, timeout: float = 0.2,
         return None
     finally:
         sock.close()
-    return process(pid, proc) if pid > 0 else None
-
-
-def _stat_fields(pid: int, proc: Path) -> tuple[str, int] | None:
-    """(state, start time) from ``/proc/<pid>/stat``, or None if there is no such entry."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except (OSError, ValueError):
-        return None
-    # "pid (comm) state ppid ..."; comm may hold spaces and parentheses: split after the last ')'
-    rest = text[text.rfind(")") + 2:].split()
-    try:
-        return rest[0], int(rest[19])  # field 3 (state) and field 22 (starttime)
-    except (IndexError, ValueError):
-        return None
+    return process(pid) if pid > 0 else None
