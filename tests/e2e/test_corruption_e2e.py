@@ -59,7 +59,7 @@ def test_corruption_matrix_through_vllm(tiny_model: Path, tmp_path: Path,
         clear_l1(settings)
         warm = chat(vllm.base_url, messages)
         hits = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
-        assert hits == 256 * n_chunks and same(warm, clean)
+        assert hits == 256 * n_chunks and warm.cached_tokens == hits and same(warm, clean)
         for how in ("noise", "random", "half", "zero", "header", "other-key"):
             files = wait_files(root, n_chunks)
             failures_before = adapter_status(settings)["verify_failures"]
@@ -78,6 +78,7 @@ def test_corruption_matrix_through_vllm(tiny_model: Path, tmp_path: Path,
             hits_after = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
             assert same(repaired, clean), f"{how}: output after repair differs"
             assert hits_after - hits_before == 256 * n_chunks, f"{how}: not repaired"
+            assert repaired.cached_tokens == 256 * n_chunks, f"{how}: restore not used"
         assert adapter_status(settings)["quarantined"] >= 6
     finally:
         vllm.kill()

@@ -91,7 +91,7 @@ def test_cache_service_down_and_process_crashes(tiny_model: Path, tmp_path: Path
         vllm.start()
         again = chat(vllm.base_url, long_conversation(900, "topic A"), timeout=120)
         hits = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
-        assert hits >= 256 * len(stored) - 256, hits
+        assert hits >= 256 * len(stored) - 256 and again.cached_tokens == hits, (hits, again)
         assert again.tokens == base.tokens and again.logprobs == base.logprobs
 
         # 4. SIGKILL both: the restart is clean (stale pid file replaced, index rebuilt).
@@ -112,7 +112,8 @@ def test_cache_service_down_and_process_crashes(tiny_model: Path, tmp_path: Path
         start_server(settings)
         vllm.start()
         warm = chat(vllm.base_url, long_conversation(900, "topic A"), timeout=120)
-        assert metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total") > 0
+        hits = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
+        assert hits > 0 and warm.cached_tokens == hits, (hits, warm.cached_tokens)
         assert warm.tokens == base.tokens and warm.logprobs == base.logprobs
     finally:
         vllm.kill()

@@ -11,7 +11,12 @@ import pytest
 from kvpersist.config.client import load_launcher_settings
 from kvpersist.config.server import load_settings
 from kvpersist.config.values import SettingsError
-from kvpersist.serving.launcher import PROMPT_DETAILS_FLAG, default_transfer_mode, vllm_command
+from kvpersist.serving.launcher import (
+    PROMPT_DETAILS_FLAG,
+    default_transfer_mode,
+    parallel_layout,
+    vllm_command,
+)
 from kvpersist.testing.helpers import TINY_PINS
 
 RECIPE = ["--host", "127.0.0.1", "-tp", "1", "--chat-template", "tmpl.jinja"]
@@ -72,3 +77,27 @@ def test_without_cuda_the_kv_cache_goes_to_shared_memory_when_it_fits(tmp_path: 
     assert mode == "engine_driven" and "VLLM_CPU_KVCACHE_SPACE" in why
     assert default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path / "none")[0] == \
         "engine_driven"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA: the mode is auto")
+def test_shared_memory_is_counted_for_every_worker_and_unproven_layouts_are_pickled(
+        tmp_path: Path) -> None:
+    free_gib = shutil.disk_usage(tmp_path).free / 2**30
+    space = max(1, int(free_gib / 1.5))  # fits once (with the 1/8 margin), not twice
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(space)}
+    if free_gib >= space * 1.125:
+        assert default_transfer_mode(env, tmp_path, layout=(1, 1))[0] == "lmcache_driven"
+    mode, why = default_transfer_mode(env, tmp_path, layout=(2, 1))
+    assert mode == "engine_driven" and f"2 x {space} GiB" in why, why
+    mode, why = default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path, layout=(1, 2))
+    assert mode == "engine_driven" and "PP 2" in why, why
+    mode, why = default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path, layout=(4, 1))
+    assert mode == "engine_driven" and "TP 4" in why, why
+
+
+def test_the_parallel_layout_is_read_as_vllm_reads_it() -> None:
+    assert parallel_layout([]) == (1, 1)
+    assert parallel_layout(["--tensor-parallel-size", "2", "-pp=2"]) == (2, 2)
+    assert parallel_layout(["-tp", "4", "--pipeline-parallel-size=1"]) == (4, 1)
+    with pytest.raises(SettingsError, match="-tp 'x'"):
+        parallel_layout(["-tp", "x"])
