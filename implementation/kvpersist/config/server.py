@@ -55,6 +55,7 @@ DEFAULTS: dict[str, str] = {
     "KVP_L2_SERDE": "",
     "KVP_NODE_ID": "",
     "KVP_SHARED_NODES": "1",
+    "KVP_RESTORE_WINDOW_GB": "auto",
 }
 
 #: ``unix``: sockets in a private directory (the default); ``tcp``: open loopback ports (opt-in).
@@ -89,6 +90,26 @@ def parse_env_file(path: Path) -> dict[str, str]:
         raise SettingsError(str(exc)) from None
 
 
+#: ``KVP_RESTORE_WINDOW_GB=auto``: an eighth of L1, at most this many GB.
+AUTO_WINDOW_MAX_GB = 2.0
+
+
+def restore_window_gb(raw: str, l1_size_gb: float) -> float:
+    """``KVP_RESTORE_WINDOW_GB``: ``auto`` (an eighth of L1, at most 2 GB), ``0`` (off) or a
+    size that leaves room for two windows in L1 (:mod:`kvpersist.serving.restore_window`)."""
+    text = raw.strip().lower()
+    if text == "auto":
+        return min(AUTO_WINDOW_MAX_GB, l1_size_gb / 8)
+    value = values.number("KVP_RESTORE_WINDOW_GB", raw)
+    if value == 0:
+        return 0.0
+    if not 0 < value <= l1_size_gb / 2:
+        raise SettingsError(f"KVP_RESTORE_WINDOW_GB={raw!r} must be auto, 0 (no streaming) or a "
+                            f"size of at most half of KVP_L1_SIZE_GB ({l1_size_gb:g} GB): a "
+                            "streamed restore holds two windows in L1")
+    return value
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """Validated settings of one LMCache MP server with a kvpersist L2 tier."""
@@ -115,6 +136,8 @@ class ServerSettings:
     #: ``KVP_CACHE_ROOT`` as given: the tree every node mounts (equal to ``cache_root`` unless
     #: ``node_id`` is set, where ``cache_root`` is this node's part of it).
     tree_root: Path | None = None
+    #: L2 bytes one streamed restore loads into L1 per step (0: restores do not stream).
+    restore_window_gb: float = 0.0
 
     @property
     def shared(self) -> bool:
@@ -238,6 +261,9 @@ def load_settings(
         l2_serde=_serde("KVP_L2_SERDE", merged["KVP_L2_SERDE"]),
         node_id=node_id,
         shared_nodes=values.positive_int("KVP_SHARED_NODES", merged["KVP_SHARED_NODES"]),
+        restore_window_gb=restore_window_gb(merged["KVP_RESTORE_WINDOW_GB"],
+                                            values.positive_float("KVP_L1_SIZE_GB",
+                                                                  merged["KVP_L1_SIZE_GB"])),
         tree_root=tree,
     )
     _check_shared(settings)

@@ -295,9 +295,30 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         if tracker.state == LMCacheMPRequestState.BYPASS_LMCACHE:
             return False
         self.scheduler_adapter.cleanup_lookup_result(rid)
+        self._kvp_release_lookup(request, tracker)
         tracker.num_lmcache_hit_tokens = 0
         tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
         return True
+
+    def _kvp_release_lookup(self, request: Any, tracker: Any) -> None:
+        """Tell a live server that a lookup is given up, so that it returns the L1 buffers
+        the lookup's prefetch holds (at once, or when a running load ends) instead of after the
+        read-lock TTL.  Nothing is sent to a server the heartbeat calls down."""
+        adapter = self.scheduler_adapter
+        if not adapter.is_healthy or not self.kvp_attached:
+            return
+        chunk = int(getattr(adapter, "lmcache_tokens_per_chunk", 0) or 0)
+        try:
+            tokens = tracker.get_token_ids()
+            end = len(tokens) // chunk * chunk if chunk else len(tokens)
+            if end > 0:
+                adapter.free_lookup_locks(token_ids=tokens, start=0, end=end,
+                                          request_id=request.request_id,
+                                          cache_salt=tracker.cache_salt,
+                                          request_configs=tracker.request_configs)
+        except Exception:  # the release is a courtesy; the TTL remains the backstop
+            logger.exception("kvpersist: releasing the lookup of request %s failed",
+                             request.request_id)
 
     def _kvp_bypass(self, request: Any, why: str, reason: str) -> None:
         rid = request.request_id

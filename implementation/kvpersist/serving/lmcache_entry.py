@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="octal mode of both socket files (default 0600; 0660 with a group)")
     parser.add_argument("--socket-group", type=int, default=None,
                         help="gid given to both socket files")
+    parser.add_argument("--restore-window-gb", type=float, default=None,
+                        help="install kvpersist's L1 window (eviction of clean L1 objects on "
+                             "demand, restores larger than L1 streamed in windows of this many "
+                             "GB; 0: no streaming); without it LMCache's restore path is unchanged")
     return parser
 
 
@@ -189,6 +193,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvpersist: {exc}", file=sys.stderr)
         return 2
+    if args.restore_window_gb is not None:
+        if args.restore_window_gb < 0:
+            parser.error("--restore-window-gb must be 0 or positive")
+        from . import l1_streaming
+
+        l1_streaming.install(int(args.restore_window_gb * 2**30))
     if args.request_socket is not None:
         try:
             install(args.request_socket, args.http_socket, args.socket_mode, args.socket_group)
