@@ -81,8 +81,10 @@ def test_command_line_from_settings(tmp_path: Path) -> None:
     s = settings_for(tmp_path, KVP_CACHE_BUDGET_GB="2.5", KVP_L1_SIZE_GB="1", KVP_ACCESS="tcp",
                      KVP_ZMQ_PORT="6001", KVP_HTTP_PORT="6002", KVP_L2_ADAPTER="nixl_store_dynamic")
     cmd = server_command(s, python="/py")
-    assert cmd[:5] == ["/py", "-m", "kvpersist.serving.lmcache_entry", "--", "server"]
-    flags = dict(zip(cmd[5::2], cmd[6::2], strict=True))
+    # the L1 window's size (KVP_RESTORE_WINDOW_GB=auto: L1/8) is kvpersist's, before LMCache's
+    assert cmd[:7] == ["/py", "-m", "kvpersist.serving.lmcache_entry", "--restore-window-gb",
+                       "0.125", "--", "server"]
+    flags = dict(zip(cmd[7::2], cmd[8::2], strict=True))
     assert flags["--host"] == flags["--http-host"] == "127.0.0.1"
     assert flags["--port"] == "6001" and flags["--http-port"] == "6002"
     assert flags["--l1-size-gb"] == "1"
@@ -101,7 +103,8 @@ def test_unix_command_line_names_the_sockets(tmp_path: Path) -> None:
     cmd = server_command(s, python="/py")
     split = cmd.index("--")
     entry = dict(zip(cmd[3:split:2], cmd[4:split:2], strict=True))
-    assert entry == {"--request-socket": str(tmp_path / "root" / "run" / "request.sock"),
+    assert entry == {"--restore-window-gb": "2",
+                     "--request-socket": str(tmp_path / "root" / "run" / "request.sock"),
                      "--http-socket": str(tmp_path / "root" / "run" / "http.sock"),
                      "--socket-mode": "0600"}
     assert cmd[split + 1] == "server"

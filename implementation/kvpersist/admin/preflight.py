@@ -22,6 +22,7 @@ from ..identity import FIELDS, IdentityError, load_pins
 from ..serving.private_paths import PrivatePathError, check_private_dir
 from ..serving.server import is_healthy, port_is_free
 from .budget import BudgetModel, device_ceiling
+from .restore_limits import describe, restore_limits
 from .shared_fs import SHARED_FS, describe_mount, gluster_client_options, mount_options
 
 LOCAL_FS_OK = {"ext4", "xfs", "btrfs", "zfs", "f2fs", "ext3", "bcachefs"}
@@ -207,6 +208,12 @@ def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | No
             checks.append(Check("identity pins", "error" if missing else "ok",
                                 f"{pins}: missing {', '.join(missing)}" if missing else
                                 f"{pins}: every field pinned (build comes from the engine)"))
+            try:
+                level, message = describe(restore_limits(pinned, settings))
+                checks.append(Check("restore size", level, message))
+            except ValueError as exc:
+                checks.append(Check("restore size", "warn", f"{pins}: {exc}; the largest "
+                                    "restorable conversation is unknown"))
         except IdentityError as exc:
             checks.append(Check("identity pins", "error", str(exc)))
 

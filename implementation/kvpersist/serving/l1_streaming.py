@@ -75,6 +75,56 @@ PATCHED = (
      "EngineDrivenTransferModule.register_kv_cache_engine_driven_context"),
 )
 
+#: sha256 (first 16 hex) of the source of each :data:`PATCHED` function in LMCache 0.5.6.
+SOURCE_SHA256 = {
+    "StorageManager.__init__": "d1310d3b427ae8c7",
+    "StorageManager.submit_prefetch_task": "4f7a6a24df02315e",
+    "L1Manager.reserve_write": "92aa6693be1b6bf5",
+    "L1Manager.delete": "de0bcb0ea8f18113",
+    "L1Manager.is_key_evictable": "8360fe56ddcfc4c1",
+    "PrefetchController._plan_load": "38200dae27764a35",
+    "PrefetchController._transition_to_load_phase": "176a1ab4ad572d1a",
+    "PrefetchController._finish_request": "db9c82d58fa6bf8b",
+    "LookupModule._consume_prefetch_result": "ad3e49697611b1bc",
+    "LookupModule.free_lookup_locks": "62c7782ceca92d63",
+    "LookupModule.lookup": "cc6898d036d4ec36",
+    "LookupModule.end_session": "d9f6f8b075f5028e",
+    "LMCacheDrivenTransferModule.retrieve": "8929e879f367e932",
+    "LMCacheDrivenTransferModule.register_kv_cache": "c8c05d9edf7277c9",
+    "EngineDrivenTransferModule.register_kv_cache_engine_driven_context": "b1dc37f4e3267f5a",
+}
+
+
+def _undecorated(obj: Any, name: str) -> Any:
+    """The function a decorator wraps (``__wrapped__`` or the closure's function of ``name``)."""
+    for _ in range(8):
+        inner = getattr(obj, "__wrapped__", None)
+        if inner is None:
+            cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ())
+                     if callable(getattr(c, "cell_contents", None))]
+            inner = next((f for f in cells if getattr(f, "__name__", "") == name), None)
+        if inner is None:
+            return obj
+        obj = inner
+    return obj
+
+
+def source_digest(module: str, qualname: str) -> str:
+    """The digest :data:`SOURCE_SHA256` records for ``module``'s ``qualname`` as installed."""
+    import hashlib
+    import importlib
+    import inspect
+
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    source = inspect.getsource(_undecorated(obj, qualname.rsplit(".", 1)[-1]))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+#: How long a streamed window short of L1 is tried again while earlier windows are released.
+WINDOW_RETRY_S = 30.0
+
 #: How long a streamed window's load may take before the retrieve gives up (the worker's own
 #: wait, ``kvpersist.lookup_max_s``, is the operator's ceiling; this only bounds a thread).
 WINDOW_LOAD_MAX_S = 900.0
@@ -327,35 +377,52 @@ class L1Window:
         segments = rules.retrieve_segments(first, locked, key.end // chunk, per_window)
         pending: dict[int, Any] = {}
 
-        def load(segment: rules.Segment) -> None:
-            sub = dataclasses.replace(key, start=segment.start * chunk, end=segment.end * chunk)
+        def load(start: int, end: int) -> Any:
+            sub = dataclasses.replace(key, start=start * chunk, end=end * chunk)
             hashes = ctx.token_hasher.compute_chunk_hashes(list(key.token_ids),
                                                            start=sub.start, end=sub.end)
-            pending[segment.start] = self._submit_window(ctx, sub, hashes, groups, layouts,
-                                                         attn_desc)
+            return self._submit_window(ctx, sub, hashes, groups, layouts, attn_desc)
+
+        def hand_over(start: int, end: int) -> tuple[bytes, bool]:
+            sub = dataclasses.replace(key, start=start * chunk, end=end * chunk)
+            blocks = [ids[(start - first) * n:(end - first) * n]
+                      for ids, n in zip(gpu_block_ids, bpc, strict=True)]
+            result: tuple[bytes, bool] = original(
+                module, sub, instance_id, blocks, event_ipc_handle,
+                skip_first_n_tokens if start == first else 0)
+            return result
 
         handle, ok, streamed = b"", True, 0
         deferred = [s for s in segments if not s.locked]
         for s in deferred[:rules.IN_FLIGHT_WINDOWS - 1]:
-            load(s)
+            pending[s.start] = load(s.start, s.end)
         next_load = rules.IN_FLIGHT_WINDOWS - 1
         for segment in segments:
-            end = segment.end
-            if not segment.locked:
-                landed = self._wait_window(pending.pop(segment.start), len(segment))
-                if next_load < len(deferred):
-                    load(deferred[next_load])
-                    next_load += 1
-                end = segment.start + landed
-                streamed += landed
-            if end > segment.start:
-                sub = dataclasses.replace(key, start=segment.start * chunk, end=end * chunk)
-                blocks = [ids[(segment.start - first) * n:(end - first) * n]
-                          for ids, n in zip(gpu_block_ids, bpc, strict=True)]
-                handle, ok = original(module, sub, instance_id, blocks, event_ipc_handle,
-                                      skip_first_n_tokens if segment.start == first else 0)
-            if not ok or end < segment.end:
-                ok = False
+            if segment.locked:
+                handle, ok = hand_over(segment.start, segment.end)
+                if not ok:
+                    break
+                continue
+            window = pending.pop(segment.start)
+            if next_load < len(deferred):
+                nxt = deferred[next_load]
+                pending[nxt.start] = load(nxt.start, nxt.end)
+                next_load += 1
+            col, retry_until = segment.start, time.monotonic() + WINDOW_RETRY_S
+            while ok and col < segment.end:
+                landed, short_of_l1 = self._wait_window(window, segment.end - col)
+                if landed:
+                    handle, ok = hand_over(col, col + landed)
+                    col += landed
+                    streamed += landed
+                elif not short_of_l1 or time.monotonic() > retry_until:
+                    ok = False  # a file that did not load or verify: never serve a hole
+                if ok and col < segment.end:
+                    # L1 was short (the previous window's buffers not yet released): again
+                    if not landed:
+                        time.sleep(0.05)
+                    window = load(col, segment.end)
+            if not ok:
                 break
         for waiting in pending.values():  # windows loaded for a retrieve that stopped
             self._release_window(waiting)
@@ -381,9 +448,10 @@ class L1Window:
             spec, external_request_id=f"{sub_key.request_id}/stream@{sub_key.start}")
         return handle, rows
 
-    def _wait_window(self, window: tuple[Any, list[Any]], columns: int) -> int:
-        """Columns of a window that landed in L1 (locked once each), from its first.  The
-        prefetch releases every lock outside its hit prefix itself."""
+    def _wait_window(self, window: tuple[Any, list[Any]], columns: int) -> tuple[int, bool]:
+        """(columns of a window that landed in L1, locked once each, from its first; whether an
+        L1 reservation of it ran out of memory).  The prefetch itself releases every lock
+        outside its hit prefix."""
         handle, _rows = window
         sm = self.storage_manager
         deadline = time.monotonic() + WINDOW_LOAD_MAX_S
@@ -391,14 +459,17 @@ class L1Window:
             if time.monotonic() > deadline:
                 logger.error("kvpersist: a streamed window did not load in %.0f s",
                              WINDOW_LOAD_MAX_S)
-                return 0
+                return 0, False
         result = sm.query_prefetch_status(handle)
+        with self._lock:
+            short = handle.prefetch_request_id in self._oom
+            self._oom.discard(handle.prefetch_request_id)
         if result is None or not result.hit_cells:
-            return 0
+            return 0, short
         landed = 0
         while landed < columns and all(row.test(landed) for row in result.hit_cells):
             landed += 1
-        return landed
+        return landed, short
 
     def _release_window(self, window: tuple[Any, list[Any]]) -> None:
         """Return the locks of a window loaded for a retrieve that stopped before it."""

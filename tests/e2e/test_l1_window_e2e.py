@@ -1,0 +1,180 @@
+"""A conversation whose KV is several times L1 comes back in full from L2, through real vLLM
+and a real LMCache server, after restarting both with the page cache dropped: it streams
+through L1 (:mod:`kvpersist.serving.l1_streaming`).  On the same restarted stack: a busy L1
+(clean objects evicted on demand), two long restores at once, and a corrupt file in the middle
+of a streamed restore.
+
+The model has 64 KiB of KV per token (16 MiB per 256-token chunk); L1 is 0.05 GB (3
+chunks); each conversation is 13 full chunks (208 MiB, 4x L1).  Exactness is bit-identical
+tokens and logprobs against the cold run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvpersist.config.server import ServerSettings, load_settings
+from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
+from kvpersist.demo.tiny_model import WIDE_KV, build_tiny_model
+from kvpersist.serving import http
+from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing.helpers import (
+    clear_l1,
+    l2_files,
+    pins_for_model,
+    server_env,
+    wait_for_l2_files,
+)
+
+pytestmark = pytest.mark.e2e
+L1_GB = "0.05"
+TOKENS = 3300
+MAX_LEN = 4096
+CHUNK = 256
+TIMEOUT = 600.0
+TOPICS = ("the first long chat", "the second long chat", "the third long chat")
+
+
+@dataclass
+class Stack:
+    settings: ServerSettings
+    vllm: VllmProcess
+    cold: dict[str, object]
+    files: dict[str, list[Path]] = field(default_factory=dict)
+
+
+def drop_page_cache() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def server_counter(settings: ServerSettings, name: str, **labels: str) -> float:
+    text = http.get(settings.http_url + "/metrics", timeout=10).body.decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    if os.geteuid() != 0:
+        pytest.skip("dropping the page cache needs root")
+    tmp = tmp_path_factory.mktemp("l1-window")
+    model = build_tiny_model(tmp / "models", WIDE_KV)
+    pins = pins_for_model(model, tmp / "wide.env", max_model_len=MAX_LEN)
+    env = server_env(tmp / "cache", KVP_L1_SIZE_GB=L1_GB)
+    settings = load_settings(env)
+    vllm = VllmProcess(model, pins, tmp / "vllm-1.log", env, max_model_len=MAX_LEN)
+    cold: dict[str, object] = {}
+    files: dict[str, list[Path]] = {}
+    try:
+        start_server(settings)
+        vllm.start()
+        for topic in TOPICS:
+            before = set(l2_files(settings.cache_root))
+            cold[topic] = result = chat(vllm.base_url, long_conversation(TOKENS, topic),
+                                        timeout=TIMEOUT)
+            assert result.prompt_tokens // CHUNK == 13, result.prompt_tokens
+            stored = store_all(settings, vllm, topic, len(before) + 13)
+            files[topic] = sorted((settings.cache_root / p for p in set(stored) - before),
+                                  key=lambda p: p.stat().st_mtime_ns)
+            assert len(files[topic]) == 13
+        vllm.stop()
+        stop_server(settings)
+        drop_page_cache()
+        start_server(settings)
+        vllm = VllmProcess(model, pins, tmp / "vllm-2.log", env, max_model_len=MAX_LEN)
+        vllm.start()
+        yield Stack(settings, vllm, cold, files)
+    finally:
+        vllm.kill()
+        stop_server(settings)
+
+
+def store_all(settings: ServerSettings, vllm: VllmProcess, topic: str, count: int
+              ) -> dict[str, str]:
+    """Wait for a cold run's 13 files.  A store that found L1 full of chunks still on their way
+    to L2 is dropped (LMCache's store path; L1 here is 3 chunks), so the chat is sent again: its
+    stored prefix hits and the missing chunks are computed and stored."""
+    for _ in range(3):
+        try:
+            return wait_for_l2_files(settings.cache_root, count, timeout=30)
+        except AssertionError:
+            chat(vllm.base_url, long_conversation(TOKENS, topic), timeout=TIMEOUT)
+    return wait_for_l2_files(settings.cache_root, count, timeout=60)
+
+
+def restore(stack: Stack, topic: str) -> object:
+    return chat(stack.vllm.base_url, long_conversation(TOKENS, topic), timeout=TIMEOUT)
+
+
+def assert_identical(warm: object, cold: object) -> None:
+    assert (warm.tokens, warm.logprobs, warm.text) == (  # type: ignore[attr-defined]
+        cold.tokens, cold.logprobs, cold.text)  # type: ignore[attr-defined]
+
+
+def test_a_conversation_four_times_l1_streams_back_in_full(stack: Stack) -> None:
+    topic = TOPICS[0]
+    warm = restore(stack, topic)
+    assert warm.cached_tokens == 13 * CHUNK  # type: ignore[attr-defined]
+    assert_identical(warm, stack.cold[topic])
+    assert metric_sum(stack.vllm.metrics(), "vllm:external_prefix_cache_hits_total") == 13 * CHUNK
+    assert server_counter(stack.settings, "kvpersist_restore_streamed_total") >= 1
+    assert server_counter(stack.settings, "kvpersist_restore_streamed_chunks_total") >= 10
+
+
+def test_a_busy_l1_evicts_clean_chunks_for_a_restore(stack: Stack) -> None:
+    clear_l1(stack.settings)
+    # A new conversation fills L1 (two of its three chunks) with chunks it then stores in L2.
+    busy = chat(stack.vllm.base_url, long_conversation(600, "a chat that fills L1"),
+                timeout=TIMEOUT)
+    assert busy.prompt_tokens // CHUNK == 2
+    wait_for_l2_files(stack.settings.cache_root, 3 * 13 + 2, timeout=120)
+    evicted = server_counter(stack.settings, "kvpersist_restore_evicted_on_demand_total")
+    topic = TOPICS[1]
+    warm = restore(stack, topic)
+    assert warm.cached_tokens == 13 * CHUNK  # type: ignore[attr-defined]
+    assert_identical(warm, stack.cold[topic])
+    assert server_counter(stack.settings, "kvpersist_restore_evicted_on_demand_total") > evicted
+
+
+def test_two_long_restores_at_once_are_both_served_in_full(stack: Stack) -> None:
+    clear_l1(stack.settings)
+    results: dict[str, object] = {}
+
+    def run(topic: str) -> None:
+        results[topic] = restore(stack, topic)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in (TOPICS[0], TOPICS[2])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    for topic in (TOPICS[0], TOPICS[2]):
+        assert results[topic].cached_tokens == 13 * CHUNK, topic  # type: ignore[attr-defined]
+        assert_identical(results[topic], stack.cold[topic])
+
+
+def test_a_corrupt_file_in_a_streamed_restore_is_never_served(stack: Stack) -> None:
+    clear_l1(stack.settings)
+    topic = TOPICS[2]
+    victim = stack.files[topic][7]  # stored in chunk order: the middle of the streamed part
+    data = bytearray(victim.read_bytes())
+    data[-4096] ^= 0xFF  # a flipped byte in the KV payload
+    victim.write_bytes(bytes(data))
+    cut = server_counter(stack.settings, "kvpersist_restore_cut_short_total")
+    warm = restore(stack, topic)
+    assert warm.cached_tokens < 13 * CHUNK  # type: ignore[attr-defined]
+    assert_identical(warm, stack.cold[topic])
+    assert server_counter(stack.settings, "kvpersist_restore_cut_short_total") > cut
+    assert server_counter(stack.settings, "kvpersist_l2_verify_failures_total") >= 1

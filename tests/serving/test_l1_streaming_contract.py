@@ -1,0 +1,64 @@
+"""The LMCache code the L1 window relies on is the code it was written against: a changed
+function fails here, not in a restore (see :mod:`kvpersist.serving.l1_streaming`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpersist.serving import l1_streaming
+
+
+@pytest.mark.parametrize(("module", "qualname"), l1_streaming.PATCHED,
+                         ids=[q for _, q in l1_streaming.PATCHED])
+def test_the_lmcache_source_the_window_relies_on_is_unchanged(module: str, qualname: str
+                                                              ) -> None:
+    assert l1_streaming.SOURCE_SHA256[qualname] == l1_streaming.source_digest(module, qualname), (
+        f"LMCache's {qualname} changed: review kvpersist.serving.l1_streaming against it, then "
+        "update SOURCE_SHA256")
+
+
+def test_every_patched_function_is_pinned() -> None:
+    assert set(l1_streaming.SOURCE_SHA256) == {q for _, q in l1_streaming.PATCHED}
+
+
+def test_the_digest_sees_through_lmcache_decorators() -> None:
+    # L1Manager's methods are wrapped by a lock decorator without functools.wraps: two of them
+    # must not hash to the decorator's one source.
+    digests = {l1_streaming.source_digest("lmcache.v1.distributed.l1_manager", name)
+               for name in ("L1Manager.reserve_write", "L1Manager.delete")}
+    assert len(digests) == 2
+
+
+def test_the_hooks_keep_lmcache_handler_registration() -> None:
+    """Wrapped request handlers still validate against LMCache's RPC specs (a handler that
+    lost its attributes or signature would silently drop the operation from the server)."""
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ld
+    from lmcache.v1.multiprocess.modules import lookup as lk
+    from lmcache.v1.multiprocess.request_handler import (
+        get_request_handler_options,
+        validate_handler,
+    )
+
+    saved = {(cls, name): getattr(cls, name) for cls, name in [
+        (lk.LookupModule, "lookup"), (lk.LookupModule, "_consume_prefetch_result"),
+        (lk.LookupModule, "free_lookup_locks"), (lk.LookupModule, "end_session"),
+        (ld.LMCacheDrivenTransferModule, "retrieve"),
+        (ld.LMCacheDrivenTransferModule, "register_kv_cache")]}
+    from lmcache.v1.distributed import storage_manager as sm
+    from lmcache.v1.multiprocess.modules import engine_driven_transfer as ed
+    saved[(sm.StorageManager, "__init__")] = sm.StorageManager.__init__
+    saved[(ed.EngineDrivenTransferModule, "register_kv_cache_engine_driven_context")] = (
+        ed.EngineDrivenTransferModule.register_kv_cache_engine_driven_context)
+    try:
+        l1_streaming.install(1 << 30)
+        for cls, name in saved:
+            if name.startswith("_"):
+                continue
+            handler = getattr(cls, name)
+            assert handler is not saved[(cls, name)]
+            options = get_request_handler_options(handler)
+            assert options is not None, name
+            validate_handler(options.operation or name, handler)
+    finally:
+        for (cls, name), original in saved.items():
+            setattr(cls, name, original)
