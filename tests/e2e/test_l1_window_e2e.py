@@ -38,7 +38,9 @@ TOKENS = 3300
 MAX_LEN = 4096
 CHUNK = 256
 TIMEOUT = 600.0
-TOPICS = ("the first long chat", "the second long chat", "the third long chat")
+#: One conversation per restore: vLLM's own prefix cache would serve a second request of one.
+TOPICS = ("the first long chat", "the second long chat", "the third long chat",
+          "the fourth long chat", "the fifth long chat")
 
 
 @dataclass
@@ -139,7 +141,7 @@ def test_a_busy_l1_evicts_clean_chunks_for_a_restore(stack: Stack) -> None:
     busy = chat(stack.vllm.base_url, long_conversation(600, "a chat that fills L1"),
                 timeout=TIMEOUT)
     assert busy.prompt_tokens // CHUNK == 2
-    wait_for_l2_files(stack.settings.cache_root, 3 * 13 + 2, timeout=120)
+    wait_for_l2_files(stack.settings.cache_root, len(TOPICS) * 13 + 2, timeout=120)
     evicted = server_counter(stack.settings, "kvpersist_restore_evicted_on_demand_total")
     topic = TOPICS[1]
     warm = restore(stack, topic)
@@ -155,19 +157,27 @@ def test_two_long_restores_at_once_are_both_served_in_full(stack: Stack) -> None
     def run(topic: str) -> None:
         results[topic] = restore(stack, topic)
 
-    threads = [threading.Thread(target=run, args=(t,)) for t in (TOPICS[0], TOPICS[2])]
+    threads = [threading.Thread(target=run, args=(t,)) for t in (TOPICS[2], TOPICS[3])]
     for t in threads:
         t.start()
     for t in threads:
         t.join(TIMEOUT)
-    for topic in (TOPICS[0], TOPICS[2]):
+    for topic in (TOPICS[2], TOPICS[3]):
         assert results[topic].cached_tokens == 13 * CHUNK, topic  # type: ignore[attr-defined]
-        assert_identical(results[topic], stack.cold[topic])
+    # Decoded side by side, the answers' logprobs differ from the serial cold ones in the last
+    # bits: CPU kernels are not batch-invariant, and the tail past the last full chunk is
+    # computed in a batch of two.  Bit-identity of a streamed restore is the first test's; here
+    # the tokens must match and the logprobs agree to rounding (wrong KV moves them far more).
+    for topic in (TOPICS[2], TOPICS[3]):
+        warm, cold = results[topic], stack.cold[topic]
+        assert warm.tokens == cold.tokens, topic  # type: ignore[attr-defined]
+        assert max(abs(a - b) for a, b in zip(warm.logprobs, cold.logprobs,  # type: ignore[attr-defined]
+                                              strict=True)) < 1e-3, topic
 
 
 def test_a_corrupt_file_in_a_streamed_restore_is_never_served(stack: Stack) -> None:
     clear_l1(stack.settings)
-    topic = TOPICS[2]
+    topic = TOPICS[4]
     victim = stack.files[topic][7]  # stored in chunk order: the middle of the streamed part
     data = bytearray(victim.read_bytes())
     data[-4096] ^= 0xFF  # a flipped byte in the KV payload
