@@ -203,19 +203,20 @@ class L1Window:
             oldest = list(order)
         objects = l1_manager._objects
 
+        sizes: dict[Any, int] = {}
+
         def sized() -> Any:
             for key in oldest:
                 entry = objects.get(key)
                 if entry is not None:
-                    yield key, entry.memory_obj.get_size()
+                    sizes[key] = entry.memory_obj.get_size()
+                    yield key, sizes[key]
 
         picked = rules.pick_evictions(
             sized(), need_bytes,
             lambda k: k in self.clean and l1_manager.is_key_evictable(k))
         if not picked:
             return 0
-        chosen = set(picked)
-        sizes = {k: size for k, size in sized() if k in chosen}
         results = l1_manager.delete(picked)
         freed_keys = [k for k, err in results.items() if err.name == "SUCCESS"]
         freed = int(sum(sizes.get(k, 0) for k in freed_keys))
@@ -354,9 +355,10 @@ class L1Window:
         ctx = module._ctx
         chunk = ctx.chunk_size
         locked = self.locked_columns(key.request_id)
-        entry = module.get_and_touch_context_entry(instance_id)
-        if (locked is None or entry is None or key.start % chunk or key.end % chunk
-                or key.end // chunk <= locked):
+        streamed_part = not (locked is None or key.start % chunk or key.end % chunk
+                             or key.end // chunk <= locked)
+        entry = module.get_and_touch_context_entry(instance_id) if streamed_part else None
+        if entry is None or locked is None:  # nothing deferred, or unregistered (rejected)
             unchanged: tuple[bytes, bool] = original(module, key, instance_id, gpu_block_ids,
                                                      event_ipc_handle, skip_first_n_tokens)
             return unchanged
