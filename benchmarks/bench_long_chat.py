@@ -8,6 +8,13 @@ tests/e2e/test_long_conversation_e2e.py (34k tokens, 34 MiB of KV).
     .venv/bin/python benchmarks/bench_long_chat.py --geometry wide --tokens 8192 \
         --transfer-modes engine_driven,lmcache_driven
         # LMCache's two CPU transports side by side in one run (restored TTFT, /dev/shm left)
+    .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 131072 --l1-gb 0.5
+        # 128k tokens at 16 KiB/token (2 GiB of KV) through an L1 of 0.5 GiB: the restore
+        # streams through L1 (kvpersist.serving.l1_streaming); also a cold raw read of the
+        # same files, with the page cache dropped, for comparison
+
+The restore is judged bit-identical (tokens and logprobs) and complete (every full chunk from
+L2, ``cached_tokens``).  vLLM's own KV space is sized for the prompt, separately from L1.
 """
 
 from __future__ import annotations
@@ -17,16 +24,36 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.demo.tiny_model import LONG_CONTEXT, WIDE_KV, Geometry, build_tiny_model
 from kvpersist.serving.server import start_server, stop_server
-from kvpersist.testing.helpers import adapter_status, pins_for_model, server_env, wait_for_l2_files
+from kvpersist.testing.helpers import (
+    adapter_status,
+    pins_for_model,
+    server_env,
+    wait_for_l2_files,
+)
 from kvpersist.testing.slow_disk import drop_caches
 
-GEOMETRIES = {"tiny": LONG_CONTEXT, "wide": WIDE_KV._replace(max_pos=40960)}
+GEOMETRIES = {"tiny": LONG_CONTEXT, "wide": WIDE_KV._replace(max_pos=40960),
+              # 8 layers x 4 KV heads x 64, float32: 16 KiB/token, 2 GiB at 128k tokens
+              "mid": Geometry("kvpersist/tiny-llama-mid-kv", 256, 8, 4, 4, 64, 139264)}
+
+
+def raw_cold_read(files: list[Path]) -> tuple[float, int]:
+    """Seconds and bytes to read ``files`` whole, one after another, after dropping the page
+    cache: what the device gives without kvpersist, LMCache or vLLM."""
+    drop_caches()
+    began, total = time.monotonic(), 0
+    for path in files:
+        with path.open("rb", buffering=0) as f:
+            while block := f.read(8 << 20):
+                total += len(block)
+    return time.monotonic() - began, total
 
 
 def shm_segments() -> dict[str, int]:
@@ -51,10 +78,10 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
     model = build_tiny_model(work / "models", geometry)
     max_len = args.tokens + 2048
     pins = pins_for_model(model, work / "pins.env", max_model_len=max_len)
-    env = server_env(work / "cache", KVP_L1_SIZE_GB=str(l1_gb),
+    env = server_env(work / "cache", KVP_L1_SIZE_GB=f"{l1_gb:g}",
                      KVP_CACHE_BUDGET_GB=str(int(kv_gib * 2) + 2))
     settings = load_settings(env)
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(l1_gb)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(max_len * geometry.kv_bytes_per_token / 2**30) + 1)
     if mode is not None:
         env["KVP_MP_TRANSFER_MODE"] = mode
     messages = long_conversation(args.tokens, "a very long chat")
@@ -78,7 +105,13 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
         drop_caches()
         warm = chat(vllm.base_url, messages, timeout=7200)
         status = adapter_status(settings)
+        raw_s, raw_bytes = raw_cold_read(sorted(
+            p for p in settings.cache_root.iterdir() if p.suffix in (".kvp", ".bin")))
         result.update(
+            l1_gb=l1_gb, l1_to_kv=round(l1_gb / kv_gib, 3) if kv_gib else None,
+            raw_cold_read_s=round(raw_s, 2), raw_cold_read_gib=round(raw_bytes / 2**30, 3),
+            restored_over_raw_read=round(warm.seconds / raw_s, 2) if raw_s else None,
+            cold_over_restored=round(cold.seconds / warm.seconds, 2) if warm.seconds else None,
             restored_s=round(warm.seconds, 2),
             hit_tokens=metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total"),
             full_chunk_tokens=256 * chunks, cached_tokens=warm.cached_tokens,
@@ -98,8 +131,8 @@ def main() -> int:
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="wide")
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--work", help="work directory (default: a temp dir)")
-    parser.add_argument("--l1-gb", type=int, help="server L1 and vLLM KV cache space (GiB); "
-                        "default: the prompt's KV + 1")
+    parser.add_argument("--l1-gb", type=float, help="the server's L1 (GiB); below the "
+                        "prompt's KV the restore streams through it; default: the prompt's KV + 1")
     parser.add_argument("--transfer-modes", default="",
                         help="comma-separated LMCache transfer modes to run one after another "
                         "(engine_driven, lmcache_driven); default: the launcher's choice")

@@ -3,6 +3,8 @@ function fails here, not in a restore (see :mod:`kvpersist.serving.l1_streaming`
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from kvpersist.serving import l1_streaming
@@ -62,3 +64,28 @@ def test_the_hooks_keep_lmcache_handler_registration() -> None:
     finally:
         for (cls, name), original in saved.items():
             setattr(cls, name, original)
+
+
+def test_the_served_prefix_route_answers_on_lmcache_http_app() -> None:
+    """The route a worker asks after a failed retrieve, on LMCache's own FastAPI app, with
+    a request id as vLLM spells them (quoted by the worker)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+    window = l1_streaming.L1Window(2**20)
+    l1_streaming._add_served_route(window, app)
+    client = TestClient(app)
+    assert client.get("/kvpersist/restores/7/chatcmpl-a%2Fb").status_code == 404
+    window.served.record("chatcmpl-a/b", 7, 3)
+    answer = client.get("/kvpersist/restores/7/chatcmpl-a%2Fb")
+    assert answer.status_code == 200
+    assert answer.json() == {"request_id": "chatcmpl-a/b", "instance_id": 7, "served_chunks": 3}
+    assert client.get("/kvpersist/restores/8/chatcmpl-a%2Fb").status_code == 404
+
+
+def test_lmcache_serves_its_http_api_from_the_app_the_route_is_added_to() -> None:
+    from lmcache.v1.multiprocess import http_server
+
+    assert "uvicorn.Config(\n        app=app," in inspect.getsource(http_server.run_http_server)
+    assert callable(http_server.app.add_api_route)

@@ -9,6 +9,7 @@ on.  The fence with real processes is ``tests/e2e/test_load_fence_e2e.py``.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
@@ -18,6 +19,7 @@ from lmcache.v1.multiprocess.futures import MessagingFuture
 
 from kvpersist.serving.connector_metrics import KvPersistConnectorStats
 from kvpersist.serving.load_fence import FINISHED_METHODS, LoadFence
+from kvpersist.serving.served_prefix import ServedPrefixKeeper
 from kvpersist.serving.server_process import ServerProcess
 
 
@@ -229,3 +231,88 @@ def test_lmcache_still_has_what_the_fence_relies_on() -> None:
     for attr in ("retrieve_futures", "store_futures", "retrieve_events", "store_events",
                  "_pending_store_kv_events", "_dropped_retrieves", "_failed_request_ids"):
         assert hasattr(a, attr)
+
+
+class ServerRecords:
+    """What the server's admin route answers: request id -> chunks served, for instance 9."""
+
+    def __init__(self, **served: int) -> None:
+        self.served = served
+        self.asked: list[str] = []
+
+    def __call__(self, url: str) -> dict[str, Any] | None:
+        self.asked.append(url)
+        instance, rid = url.split("/kvpersist/restores/", 1)[1].split("/", 1)
+        if rid not in self.served or instance != "9":
+            return None
+        return {"request_id": rid, "instance_id": 9, "served_chunks": self.served[rid]}
+
+
+def kept(a: Any, records: ServerRecords) -> LoadFence:
+    a.instance_id, a.blocks_in_chunk, a.engine_group_infos = 9, 2, []
+    fence = LoadFence(a, server_url="http+unix://%2Frun%2Fx.sock", listener=World().listener,
+                      refuses=World().refuses,
+                      keeper=ServedPrefixKeeper(a, "http+unix://%2Frun%2Fx.sock", records))
+    fence.install()
+    return fence
+
+
+def test_a_restore_failed_mid_stream_keeps_the_chunks_the_server_wrote() -> None:
+    a = adapter()
+    records = ServerRecords(r1=2)
+    kept(a, records)
+    retrieve(a, "r1", [10, 11, 12, 13, 14, 15]).set_result(False)  # 3 chunks, failed at the 3rd
+    assert a.get_finished(set()) == (set(), {"r1"})
+    assert a.get_block_ids_with_load_errors() == {14, 15}
+    assert records.asked == ["http+unix://%2Frun%2Fx.sock/kvpersist/restores/9/r1"]
+
+
+def test_without_a_record_of_the_server_the_whole_restore_is_recomputed() -> None:
+    a = adapter()
+    records = ServerRecords(other=2)
+    kept(a, records)
+    retrieve(a, "r1", [10, 11, 12, 13]).set_result(False)
+    retrieve(a, "r2", [20, 21]).set_result(True)  # a hit: never asked about
+    a.get_finished(set())
+    assert a.get_block_ids_with_load_errors() == {10, 11, 12, 13}
+    assert [u.rsplit("/", 1)[1] for u in records.asked] == ["r1"]
+
+
+def test_a_multi_group_engine_or_a_record_covering_everything_keeps_nothing() -> None:
+    a = adapter()
+    kept(a, ServerRecords(r1=1, r2=9))
+    a.engine_group_infos = [object(), object()]
+    retrieve(a, "r1", [10, 11, 12, 13]).set_result(False)
+    a.get_finished(set())
+    assert a.get_block_ids_with_load_errors() == {10, 11, 12, 13}
+    a.engine_group_infos = []
+    retrieve(a, "r2", [20, 21]).set_result(False)
+    a.get_finished(set())
+    assert a.get_block_ids_with_load_errors() == {20, 21}
+
+
+def test_a_restore_of_a_gone_server_is_never_asked_about() -> None:
+    a = adapter()
+    records = ServerRecords(r1=1)
+    kept(a, records)
+    world_server = ServerProcess(4242, 7)
+    retrieve(a, "r1", [10, 11, 12, 13])
+    DEAD.add(world_server)
+    a._health_event.clear()
+    a.get_finished(set())
+    assert a.get_block_ids_with_load_errors() == {10, 11, 12, 13} and records.asked == []
+
+
+def test_lmcache_still_has_what_the_served_prefix_relies_on() -> None:
+    """The keeper reads these worker-adapter attributes and edits ``error_block_ids``, which
+    LMCache's ``get_finished`` fills with every block of a failed retrieve and
+    ``get_block_ids_with_load_errors`` hands to vLLM."""
+    source = inspect.getsource(LMCacheMPWorkerAdapter)
+    for assignment in ("self.instance_id: int =", "self.blocks_in_chunk =",
+                       "self.engine_group_infos =", "self.error_block_ids: set[int] = set()"):
+        assert assignment in source, assignment
+    finished = inspect.getsource(LMCacheMPWorkerAdapter.get_finished)
+    assert "self.error_block_ids.update(r_block_ids)" in finished
+    a = adapter()
+    a.error_block_ids = {1, 2}
+    assert a.get_block_ids_with_load_errors() == {1, 2} and a.error_block_ids == set()

@@ -10,7 +10,9 @@ from kvpersist.config.values import SettingsError
 from kvpersist.serving.restore_window import (
     RestoreStats,
     Segment,
+    ServedPrefixes,
     WindowPlan,
+    failed_blocks_after,
     pick_evictions,
     plan_lookup_window,
     promised_hit,
@@ -113,3 +115,26 @@ def test_the_window_setting() -> None:
         load_settings({"KVP_L1_SIZE_GB": "2", "KVP_RESTORE_WINDOW_GB": "1.5"})
     with pytest.raises(SettingsError):
         load_settings({"KVP_RESTORE_WINDOW_GB": "lots"})
+
+
+def test_a_failed_retrieve_records_what_it_served_and_the_next_retrieve_clears_it() -> None:
+    served = ServedPrefixes(capacity=2)
+    assert served.served("r1", 7) is None
+    served.record("r1", 7, 5)
+    assert served.served("r1", 7) == 5 and served.served("r1", 8) is None
+    served.clear("r1", 7)  # the request's next retrieve by that worker
+    assert served.served("r1", 7) is None
+    for rid in ("a", "b", "c"):
+        served.record(rid, 1, 1)
+    assert served.served("a", 1) is None and served.served("c", 1) == 1  # oldest forgotten
+    with pytest.raises(ValueError):
+        served.record("r", 1, -1)
+
+
+def test_the_blocks_of_served_chunks_are_not_load_errors() -> None:
+    blocks = list(range(100, 112))  # 6 chunks of 2 blocks
+    assert failed_blocks_after(blocks, 0, 2) == blocks
+    assert failed_blocks_after(blocks, 4, 2) == [108, 109, 110, 111]
+    assert failed_blocks_after(blocks, 6, 2) == []
+    with pytest.raises(ValueError):
+        failed_blocks_after(blocks, 1, 0)

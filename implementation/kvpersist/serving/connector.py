@@ -72,6 +72,7 @@ from .late_attach import (
 )
 from .load_fence import LoadFence
 from .lookup_deadline import LookupDeadline, ServerProgressProbe
+from .served_prefix import ServedPrefixKeeper
 from .transfer_wait import ServerWait, never_gone
 from .transfer_wait import install as install_server_wait
 
@@ -237,7 +238,8 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         if adapter is None:
             return
         self.kvp_fence = LoadFence(adapter, server_url=options.http_url,
-                                   record=self._connector_stats.record_failed_load)
+                                   record=self._connector_stats.record_failed_load,
+                                   keeper=ServedPrefixKeeper(adapter, options.http_url))
         self.kvp_fence.install()
 
     def _kvp_start_late(self, vllm_config: Any, role: KVConnectorRole,

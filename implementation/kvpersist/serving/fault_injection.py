@@ -10,7 +10,12 @@ deterministic.  Each stop appends ``<unix time> stop|go <pid>`` to
 ``KVP_FAULT_JOURNAL`` if set, so a test can order the server's writes against the worker's
 reports.
 
-Invariants: without the variable nothing is changed; a malformed value stops the server at
+``KVP_FAULT_HOLD_L2_LOADS_WHILE=PATH`` (tests only): every L2 load of kvpersist's adapter waits,
+before it reads a file, while ``PATH`` exists (at most ``HOLD_MAX_S``).  Its L1 buffers are
+reserved and nothing moves: the stalled load a connector gives up, made deterministic; removing
+the file lets the loads finish.  Each hold logs a line to the server's stderr.
+
+Invariants: without the variables nothing is changed; a malformed value stops the server at
 start with a message (a test that thinks it injected a fault must not pass without it).
 """
 
@@ -28,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 STOP_IN_RETRIEVE = "KVP_FAULT_STOP_IN_RETRIEVE_S"
+HOLD_LOADS_WHILE = "KVP_FAULT_HOLD_L2_LOADS_WHILE"
+HOLD_MAX_S = 600.0
 JOURNAL = "KVP_FAULT_JOURNAL"
 #: (module, class, method) of every handler that writes restored KV or hands it out.
 RETRIEVE_HANDLERS = (
@@ -99,9 +106,43 @@ def _stopping(handler: Callable[..., Any], stop: _Stopper) -> Callable[..., Any]
     return stopped_first
 
 
+def hold_path(environ: Mapping[str, str]) -> Path | None:
+    """The configured hold file, or None; ValueError names a relative path."""
+    text = environ.get(HOLD_LOADS_WHILE, "").strip()
+    if not text:
+        return None
+    path = Path(text)
+    if not path.is_absolute():
+        raise ValueError(f"{HOLD_LOADS_WHILE}={text!r} must be an absolute path")
+    return path
+
+
+def _holding(run_load: Callable[..., Any], path: Path) -> Callable[..., Any]:
+    @functools.wraps(run_load)
+    def held_first(adapter: Any, tid: Any, *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + HOLD_MAX_S
+        if path.exists():
+            print(f"kvpersist: FAULT INJECTION: L2 load {tid} held while {path} exists",
+                  file=sys.stderr, flush=True)
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return run_load(adapter, tid, *args, **kwargs)
+
+    return held_first
+
+
 def install(environ: Mapping[str, str] | None = None) -> float | None:
     """Install the configured faults in this (server) process; returns the stop, if any."""
-    seconds = stop_seconds(os.environ if environ is None else environ)
+    env = os.environ if environ is None else environ
+    seconds = stop_seconds(env)
+    hold = hold_path(env)
+    if hold is not None:
+        from ..l2.adapter import KvPersistL2Adapter
+
+        KvPersistL2Adapter._run_load = _holding(  # type: ignore[method-assign]
+            KvPersistL2Adapter._run_load, hold)
+        print(f"kvpersist: FAULT INJECTION ({HOLD_LOADS_WHILE}={hold}): L2 loads wait while "
+              "that file exists; for tests only", file=sys.stderr, flush=True)
     if seconds is None:
         return None
     import importlib

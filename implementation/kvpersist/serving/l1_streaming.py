@@ -20,8 +20,10 @@ places and nowhere else (the rules are :mod:`kvpersist.serving.restore_window`):
    handed over as LMCache would; the deferred ones are loaded window by window through
    LMCache's own prefetch (verified reads, L1 locks), each handed over with LMCache's own
    retrieve and released before the window after the next.  A window that does not load in full
-   (a bad file, a deleted file) ends the retrieve as failed: vLLM recomputes the request, never
-   serving a hole.
+   (a bad file, a deleted file) ends the retrieve as failed, never serving a hole; the chunks
+   already handed over are recorded (``restore_window.SERVED_ROUTE``), so the worker's
+   :mod:`kvpersist.serving.served_prefix` reports only the blocks from the failed chunk on and
+   vLLM recomputes from there, not the whole prefix.
 4. **An abandoned lookup is released** (``LookupModule.free_lookup_locks``): a prefetch still
    running when the connector gives its lookup up is settled in the background when it
    finishes, instead of holding its L1 buffers until the read-lock TTL (300 s).
@@ -167,6 +169,7 @@ class L1Window:
         self.window_bytes = window_bytes
         self.stats = RestoreStats()
         self.clean = CleanKeys()
+        self.served = rules.ServedPrefixes()
         self.storage_manager: Any = None
         self._lock = threading.Lock()
         self._streamable: set[tuple[str, int]] = set()
@@ -354,6 +357,7 @@ class L1Window:
                  skip_first_n_tokens: int) -> tuple[bytes, bool]:
         ctx = module._ctx
         chunk = ctx.chunk_size
+        self.served.clear(key.request_id, instance_id)
         locked = self.locked_columns(key.request_id)
         streamed_part = not (locked is None or key.start % chunk or key.end % chunk
                              or key.end // chunk <= locked)
@@ -394,7 +398,7 @@ class L1Window:
                 skip_first_n_tokens if start == first else 0)
             return result
 
-        handle, ok, streamed = b"", True, 0
+        handle, ok, streamed, served = b"", True, 0, first
         deferred = [s for s in segments if not s.locked]
         for s in deferred[:rules.IN_FLIGHT_WINDOWS - 1]:
             pending[s.start] = load(s.start, s.end)
@@ -404,6 +408,7 @@ class L1Window:
                 handle, ok = hand_over(segment.start, segment.end)
                 if not ok:
                     break
+                served = segment.end
                 continue
             window = pending.pop(segment.start)
             if next_load < len(deferred):
@@ -415,6 +420,8 @@ class L1Window:
                 landed, short_of_l1 = self._wait_window(window, segment.end - col)
                 if landed:
                     handle, ok = hand_over(col, col + landed)
+                    if ok:
+                        served = col + landed
                     col += landed
                     streamed += landed
                 elif not short_of_l1 or time.monotonic() > retry_until:
@@ -430,10 +437,13 @@ class L1Window:
             self._release_window(waiting)
         self.stats.add(streamed_columns=streamed, streamed_bytes=streamed * column_bytes)
         if not ok:
-            lost = key.end // chunk - first
+            # Recorded before the failed reply leaves, so the worker that asks finds it.
+            self.served.record(key.request_id, instance_id, served - first)
+            lost = key.end // chunk - served
             self.stats.cut("stream_failed", lost * chunk)
             logger.warning("kvpersist: request %s: streamed restore stopped at a window that did "
-                           "not load in full; %d tokens recomputed", key.request_id, lost * chunk)
+                           "not load in full; %d tokens served, %d recomputed", key.request_id,
+                           (served - first) * chunk, lost * chunk)
         return handle, ok
 
     def _submit_window(self, ctx: Any, sub_key: Any, hashes: list[bytes], groups: list[int],
@@ -547,7 +557,27 @@ def install(window_bytes: int) -> L1Window:
     from . import restore_metrics
 
     restore_metrics.bind(window.stats.snapshot)
+    from lmcache.v1.multiprocess import http_server
+
+    _add_served_route(window, http_server.app)
     return window
+
+
+def _add_served_route(window: L1Window, app: Any) -> None:
+    """``GET restore_window.SERVED_ROUTE`` on the server's admin HTTP: what the failed
+    retrieve of a (request, worker instance) handed over (404 when its last did not fail)."""
+    from fastapi.responses import JSONResponse
+
+    def served_prefix(request_id: str, instance_id: int) -> JSONResponse:
+        served = window.served.served(request_id, instance_id)
+        if served is None:
+            return JSONResponse({"error": f"no failed retrieve of request {request_id!r} by "
+                                          f"instance {instance_id} is recorded"},
+                                status_code=404)
+        return JSONResponse({"request_id": request_id, "instance_id": instance_id,
+                             "served_chunks": served})
+
+    app.add_api_route(rules.SERVED_ROUTE, served_prefix, methods=["GET"])
 
 
 def _log_to_stderr() -> None:

@@ -24,6 +24,9 @@ Invariants
   ``get_finished`` runs unchanged; the fence only decides what it is shown.
 * A transfer never sent (dropped at submit while unhealthy) is reported at once, as LMCache
   does: it cannot write.
+* A load the server answered failed after writing its first chunks keeps those chunks
+  (:mod:`kvpersist.serving.served_prefix`): only the blocks from the failed chunk on are
+  load errors.
 * ``engine_driven`` needs no fence: the worker itself copies a reply into its KV memory, so a
   reply given up (:mod:`kvpersist.serving.transfer_wait`) is never written.
 
@@ -40,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import http
+from .served_prefix import ServedPrefixKeeper
 from .server_process import ServerProcess, listener_of
 
 logger = logging.getLogger("vllm.kvpersist.load_fence")  # inherits vLLM's log handler
@@ -88,8 +92,10 @@ class LoadFence:
                  listener: Callable[[str | None], ServerProcess | None] = listener_of,
                  refuses: Callable[[str], bool] = http.refuses_connections,
                  record: Callable[[str, int], None] | None = None,
+                 keeper: ServedPrefixKeeper | None = None,
                  clock: Clock = time.monotonic) -> None:
         self._adapter = adapter
+        self._keeper = keeper
         self._url = server_url
         self._listener = listener
         self._refuses = refuses
@@ -168,14 +174,18 @@ class LoadFence:
         orphans = self._orphans(flight, healthy) if flight else set()
         dropped = len(adapter._dropped_retrieves)
         failed_before = set(adapter._failed_request_ids)
+        retrieving = {rid: list(blocks) for rid, (_f, blocks)
+                      in list(adapter.retrieve_futures.items())}
         if healthy and not orphans:
             result = original(adapter, *args)
             self._count_failed(failed_before, dropped)
+            self._keep_served(retrieving, failed_before)
             return result
         if not healthy:
             self._note_held(flight, orphans)
         settled = original(_AdapterView(adapter, is_healthy=True), *args)
         self._count_failed(failed_before, dropped)
+        self._keep_served(retrieving, failed_before)
         if not orphans:
             return settled
         drained = self._drain(original, flight, orphans, args)
@@ -192,6 +202,16 @@ class LoadFence:
                 "request %s is in flight in vLLM's KV memory (%s); its blocks are held until the "
                 "server answers or exits", kind, rid, self._sent_to[key][1] or "server process "
                 "unknown: held until its socket refuses")
+
+    def _keep_served(self, retrieving: dict[str, list[int]], failed_before: set[str]) -> None:
+        """Loads the server just answered failed keep the chunks it served
+        (:mod:`kvpersist.serving.served_prefix`); loads of a gone server never reach here."""
+        if self._keeper is None:
+            return
+        failed = {rid: retrieving[rid] for rid in set(self._adapter._failed_request_ids)
+                  - failed_before if rid in retrieving}
+        if failed:
+            self._keeper.keep(failed)
 
     def _count_failed(self, failed_before: set[str], dropped: int) -> None:
         """Record what LMCache's method just reported failed: ``dropped`` loads never sent, the

@@ -20,15 +20,27 @@ Invariants
 * **Eviction on demand** (:func:`pick_evictions`): only *clean* objects (already in L2) that
   nobody holds are evicted, oldest first, and no more than the bytes asked for (plus the last
   object that crosses the line).
+* **A cut restore keeps what was served** (:class:`ServedPrefixes`): a retrieve that fails after
+  handing over its first ``k`` columns records ``k`` for its (request, worker instance) before
+  its failed reply is sent; every retrieve clears the record of its pair first, so a record
+  always describes the latest retrieve of that pair.  The worker keeps the blocks of those
+  ``k`` columns out of the load errors (:func:`failed_blocks_after`): vLLM recomputes from the
+  failed chunk on, never a hole and never the whole prefix.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+#: The server's admin route a worker asks, after a failed retrieve, how many chunks it was
+#: handed (``{"request_id", "instance_id", "served_chunks"}``; 404 without a record).
+SERVED_ROUTE = "/kvpersist/restores/{instance_id}/{request_id:path}"
+#: Failed retrieves remembered for their workers (oldest forgotten first).
+SERVED_RECORDS = 4096
 #: Windows of one streamed restore held in L1 at once: the one being handed over and the next.
 IN_FLIGHT_WINDOWS = 2
 _K = TypeVar("_K", bound=Hashable)
@@ -169,3 +181,39 @@ class RestoreStats:
                     "released_abandoned": self.released_abandoned,
                     "cut_short": dict(self.cut_short),
                     "cut_short_tokens": dict(self.cut_short_tokens)}
+
+
+class ServedPrefixes:
+    """Columns handed over by each (request id, worker instance) whose last retrieve failed
+    (see the module invariants).  Thread-safe; at most ``capacity`` records."""
+
+    def __init__(self, capacity: int = SERVED_RECORDS) -> None:
+        self._capacity = capacity
+        self._records: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def clear(self, request_id: str, instance_id: int) -> None:
+        with self._lock:
+            self._records.pop((request_id, instance_id), None)
+
+    def record(self, request_id: str, instance_id: int, served_columns: int) -> None:
+        if served_columns < 0:
+            raise ValueError(f"served_columns must be >= 0, got {served_columns}")
+        with self._lock:
+            self._records[(request_id, instance_id)] = served_columns
+            self._records.move_to_end((request_id, instance_id))
+            while len(self._records) > self._capacity:
+                self._records.popitem(last=False)
+
+    def served(self, request_id: str, instance_id: int) -> int | None:
+        with self._lock:
+            return self._records.get((request_id, instance_id))
+
+
+def failed_blocks_after(block_ids: Sequence[int], served_columns: int,
+                        blocks_per_column: int) -> list[int]:
+    """The blocks of a single-group retrieve (``block_ids`` from its first column, in token
+    order) that were not handed over when its first ``served_columns`` columns were."""
+    if served_columns < 0 or blocks_per_column <= 0:
+        raise ValueError("served_columns must be >= 0 and blocks_per_column > 0")
+    return list(block_ids[served_columns * blocks_per_column:])
