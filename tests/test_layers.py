@@ -1,6 +1,6 @@
 """The package's folders are its layers, and data flows one way:
 
-    atomic, config → identity → l2 | serving → admin → demo → testing
+    atomic, observed_metrics, config → identity → l2 | serving → admin → demo → testing
 
 A module may import from its own package and from packages to its left, never to its right nor
 from a sibling layer (l2 and serving do not know each other); the shims ``kvpersist.connector``
@@ -15,8 +15,8 @@ from pathlib import Path
 import kvpersist
 
 PACKAGE = Path(kvpersist.__file__).parent
-RANK = {"atomic": 0, "config": 0, "identity": 1, "l2": 2, "serving": 2, "admin": 3, "demo": 4,
-        "testing": 5, "connector": 3, "l2_adapter": 3}
+RANK = {"atomic": 0, "observed_metrics": 0, "config": 0, "identity": 1, "l2": 2, "serving": 2,
+        "admin": 3, "demo": 4, "testing": 5, "connector": 3, "l2_adapter": 3}
 
 
 def layer_of(module: str) -> str:

@@ -86,6 +86,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     continue
             assert cold[topic].prompt_tokens // CHUNK == 8
         wait_for_l2_files(settings.cache_root, 16, timeout=60)
+        # counted since the server started, which stored all of them
+        assert server_counter(settings, "kvpersist_l2_stores_total") >= 16
         yield Stack(settings, vllm, hold, cold)
     finally:
         vllm.kill()

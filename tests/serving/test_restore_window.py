@@ -8,6 +8,7 @@ import pytest
 from kvpersist.config.server import load_settings
 from kvpersist.config.values import SettingsError
 from kvpersist.serving.restore_window import (
+    Bounded,
     RestoreStats,
     Segment,
     ServedPrefixes,
@@ -138,3 +139,13 @@ def test_the_blocks_of_served_chunks_are_not_load_errors() -> None:
     assert failed_blocks_after(blocks, 6, 2) == []
     with pytest.raises(ValueError):
         failed_blocks_after(blocks, 1, 0)
+
+
+def test_records_never_consumed_are_bounded_oldest_first() -> None:
+    records: Bounded[int, str] = Bounded(capacity=3)
+    for pid in range(5):
+        records[pid] = f"plan {pid}"
+    assert list(records) == [2, 3, 4]
+    records[2] = "set again"  # setting one makes it the newest
+    records[5] = "plan 5"
+    assert list(records) == [4, 2, 5] and records.pop(9, None) is None

@@ -35,6 +35,9 @@ from typing import Any
 STOP_IN_RETRIEVE = "KVP_FAULT_STOP_IN_RETRIEVE_S"
 HOLD_LOADS_WHILE = "KVP_FAULT_HOLD_L2_LOADS_WHILE"
 HOLD_MAX_S = 600.0
+#: (module, class, method) of the L2 load the hold delays: named, as the retrieve handlers are,
+#: since the server's adapter is loaded by LMCache's config, not imported by serving.
+HELD_LOAD = ("kvpersist.l2.adapter", "KvPersistL2Adapter", "_run_load")
 JOURNAL = "KVP_FAULT_JOURNAL"
 #: (module, class, method) of every handler that writes restored KV or hands it out.
 RETRIEVE_HANDLERS = (
@@ -137,10 +140,11 @@ def install(environ: Mapping[str, str] | None = None) -> float | None:
     seconds = stop_seconds(env)
     hold = hold_path(env)
     if hold is not None:
-        from ..l2.adapter import KvPersistL2Adapter
+        import importlib
 
-        KvPersistL2Adapter._run_load = _holding(  # type: ignore[method-assign]
-            KvPersistL2Adapter._run_load, hold)
+        module_name, class_name, method = HELD_LOAD
+        cls = getattr(importlib.import_module(module_name), class_name)
+        setattr(cls, method, _holding(getattr(cls, method), hold))
         print(f"kvpersist: FAULT INJECTION ({HOLD_LOADS_WHILE}={hold}): L2 loads wait while "
               "that file exists; for tests only", file=sys.stderr, flush=True)
     if seconds is None:

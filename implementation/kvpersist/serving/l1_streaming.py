@@ -174,11 +174,15 @@ class L1Window:
         self._lock = threading.Lock()
         self._streamable: set[tuple[str, int]] = set()
         self._engine_driven: set[tuple[str, int]] = set()
-        self._lookups: dict[int, tuple[list[Any], tuple[str, int]]] = {}
-        self._plans: dict[int, WindowPlan] = {}
-        self._present: dict[int, tuple[int, int]] = {}  # prefetch id -> (prefix, column bytes)
-        self._oom: set[int] = set()
-        self._locked: dict[str, int] = {}  # request id -> columns its lookup locked (streamed)
+        # Per lookup or prefetch, bounded: LMCache may never come back for one (a lookup given
+        # up); a record missing is read as "no promise" (rules.Bounded).
+        self._lookups: rules.Bounded[int, tuple[list[Any], tuple[str, int]]] = rules.Bounded()
+        self._plans: rules.Bounded[int, WindowPlan] = rules.Bounded()
+        # prefetch id -> (prefix, column bytes)
+        self._present: rules.Bounded[int, tuple[int, int]] = rules.Bounded()
+        self._oom: rules.Bounded[int, bool] = rules.Bounded()  # prefetches short of L1
+        # request id -> columns its lookup locked (streamed)
+        self._locked: rules.Bounded[str, int] = rules.Bounded()
         self._local = threading.local()
 
     # -- registration: which models can stream
@@ -258,7 +262,7 @@ class L1Window:
         request = getattr(self._local, "request", None)
         if request is not None and taken < len(oom):
             with self._lock:
-                self._oom.add(request)
+                self._oom[request] = True
         return results
 
     # -- 2. the lookup window
@@ -324,8 +328,7 @@ class L1Window:
         with self._lock:
             plan = self._plans.pop(pid, None)
             prefix, column_bytes = self._present.pop(pid, (landed, 0))
-            oom = pid in self._oom
-            self._oom.discard(pid)
+            oom = self._oom.pop(pid, False)
         reported = rules.promised_hit(plan, landed)
         if plan is not None and reported > landed:
             with self._lock:
@@ -474,8 +477,7 @@ class L1Window:
                 return 0, False
         result = sm.query_prefetch_status(handle)
         with self._lock:
-            short = handle.prefetch_request_id in self._oom
-            self._oom.discard(handle.prefetch_request_id)
+            short = self._oom.pop(handle.prefetch_request_id, False)
         if result is None or not result.hit_cells:
             return 0, short
         landed = 0

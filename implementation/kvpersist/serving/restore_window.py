@@ -44,6 +44,7 @@ SERVED_RECORDS = 4096
 #: Windows of one streamed restore held in L1 at once: the one being handed over and the next.
 IN_FLIGHT_WINDOWS = 2
 _K = TypeVar("_K", bound=Hashable)
+_V = TypeVar("_V")
 
 
 @dataclass(frozen=True)
@@ -183,13 +184,29 @@ class RestoreStats:
                     "cut_short_tokens": dict(self.cut_short_tokens)}
 
 
+class Bounded(OrderedDict[_K, _V]):
+    """A dict of at most ``capacity`` entries: setting one past it drops the oldest set.  For
+    records kept per prefetch or request that LMCache may never come back for (a lookup given
+    up, a plan never consumed); every user treats a missing record as "no promise", so a
+    dropped one costs at most a shorter hit, never a wrong one."""
+
+    def __init__(self, capacity: int = SERVED_RECORDS) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def __setitem__(self, key: _K, value: _V) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.capacity:
+            self.popitem(last=False)
+
+
 class ServedPrefixes:
     """Columns handed over by each (request id, worker instance) whose last retrieve failed
     (see the module invariants).  Thread-safe; at most ``capacity`` records."""
 
     def __init__(self, capacity: int = SERVED_RECORDS) -> None:
-        self._capacity = capacity
-        self._records: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self._records: Bounded[tuple[str, int], int] = Bounded(capacity)
         self._lock = threading.Lock()
 
     def clear(self, request_id: str, instance_id: int) -> None:
@@ -201,9 +218,6 @@ class ServedPrefixes:
             raise ValueError(f"served_columns must be >= 0, got {served_columns}")
         with self._lock:
             self._records[(request_id, instance_id)] = served_columns
-            self._records.move_to_end((request_id, instance_id))
-            while len(self._records) > self._capacity:
-                self._records.popitem(last=False)
 
     def served(self, request_id: str, instance_id: int) -> int | None:
         with self._lock:

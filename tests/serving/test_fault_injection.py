@@ -1,0 +1,49 @@
+"""The test-only faults refuse malformed values and change nothing unset; the hold really
+holds an L2 load while its file exists (on kvpersist's own adapter class)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist.serving import fault_injection
+
+
+def test_unset_faults_change_nothing_and_malformed_ones_are_refused() -> None:
+    assert fault_injection.install({}) is None
+    assert fault_injection.hold_path({}) is None
+    with pytest.raises(ValueError, match="absolute path"):
+        fault_injection.hold_path({fault_injection.HOLD_LOADS_WHILE: "relative/file"})
+    with pytest.raises(ValueError, match="number of seconds"):
+        fault_injection.stop_seconds({fault_injection.STOP_IN_RETRIEVE: "soon"})
+
+
+def test_the_hold_names_the_adapters_load() -> None:
+    import importlib
+
+    module_name, class_name, method = fault_injection.HELD_LOAD
+    assert callable(getattr(getattr(importlib.import_module(module_name), class_name), method))
+
+
+def test_a_held_load_waits_for_its_file_to_go(tmp_path: Path) -> None:
+    hold = tmp_path / "hold"
+    hold.write_text("")
+    ran: list[float] = []
+
+    def load(_adapter: Any, tid: int) -> int:
+        ran.append(time.monotonic())
+        return tid
+
+    held = fault_injection._holding(load, hold)
+    thread = threading.Thread(target=held, args=(None, 7))
+    thread.start()
+    time.sleep(0.3)
+    assert ran == [], "the load ran while its hold file existed"
+    released = time.monotonic()
+    hold.unlink()
+    thread.join(5)
+    assert len(ran) == 1 and ran[0] >= released
