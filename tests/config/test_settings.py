@@ -137,3 +137,18 @@ def test_bad_shared_tree_settings_say_what_to_do(tmp_path: Path, environ: dict[s
            **{k: v.replace("{tree}", str(tree)) for k, v in environ.items()}}
     with pytest.raises(SettingsError, match=words.replace("(", r"\(").replace(".", r"\.")):
         load_settings(environ=env)
+
+
+def test_the_server_validates_the_scan_walker_and_hands_it_to_the_adapter(tmp_path: Path
+                                                                          ) -> None:
+    from kvpersist.config.adapters import l2_adapter_config
+
+    with pytest.raises(SettingsError, match="KVP_WALKER"):
+        load_settings({"KVP_CACHE_ROOT": str(tmp_path), "KVP_WALKER": "rust"})
+    with pytest.raises(SettingsError, match="KVP_WALK_THREADS"):
+        load_settings({"KVP_CACHE_ROOT": str(tmp_path), "KVP_WALK_THREADS": "-1"})
+    settings = load_settings({"KVP_CACHE_ROOT": str(tmp_path), "KVP_WALKER": "python",
+                              "KVP_WALK_THREADS": "3"})
+    params = l2_adapter_config(settings)["adapter_params"]
+    config = KvPersistL2AdapterConfig.from_dict(params)
+    assert (config.walker, config.walk_threads) == ("python", 3)

@@ -120,3 +120,44 @@ def test_lmcache_loads_the_adapter_by_either_module_path(tmp_path: Path, module_
         assert adapter.report_status()["root"] == str(tmp_path)
     finally:
         adapter.close()
+
+
+def test_a_failed_scan_reports_the_adapter_unhealthy_until_it_recovers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpersist.l2 import store as store_module
+
+    real, calls = store_module.scan_root, []
+
+    def failing_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("walker"))
+        if len(calls) == 1:
+            raise PermissionError(13, "Permission denied", str(tmp_path))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, "scan_root", failing_once)
+    monkeypatch.setattr(store_module, "SCAN_RETRY_S", 0.3)
+    a = KvPersistL2Adapter(KvPersistL2AdapterConfig.from_dict(
+        {"path": str(tmp_path), "max_capacity_gb": 1, "walker": "python"}))
+    try:
+        deadline = time.monotonic() + 10
+        while a.report_status()["is_healthy"]:
+            assert time.monotonic() < deadline, "a failed scan left the adapter healthy"
+            time.sleep(0.01)
+        status = a.report_status()
+        assert "Permission denied" in status["unhealthy_reason"]
+        assert "stores are refused" in status["unhealthy_reason"]
+        assert a.store.wait_scan(10)
+        assert a.report_status()["is_healthy"] and "unhealthy_reason" not in a.report_status()
+        assert calls == ["python", "python"]  # the configured walker, not the environment's
+    finally:
+        a.close()
+
+
+def test_the_walker_is_a_strict_adapter_field() -> None:
+    with pytest.raises(ValueError, match="walker"):
+        KvPersistL2AdapterConfig.from_dict({"path": "/x", "max_capacity_gb": 1,
+                                            "walker": "rust"})
+    with pytest.raises(ValueError, match="walk_threads"):
+        KvPersistL2AdapterConfig.from_dict({"path": "/x", "max_capacity_gb": 1,
+                                            "walk_threads": -2})
+    assert "walker (str)" in KvPersistL2AdapterConfig.help()

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpersist.l2 import inventory
+from kvpersist.l2 import store as store_module
 from kvpersist.l2.format import HEADER_SIZE, build_header, parse_header, payload_digest
 from kvpersist.l2.layout import QUARANTINE_DIR, FormatError, KeyFields, format_name, parse_name
 from kvpersist.l2.lock import take_root_lock
@@ -327,3 +329,59 @@ def test_check_names_every_inconsistency(tmp_path: Path) -> None:
     assert f"{store.path_for(key(3))} fails verification: payload-checksum" in problems
     assert store.check(deep=False) != [] and "fails verification" not in "".join(store.check())
     store.close()
+
+
+class FailingScans:
+    """``scan_root`` that raises for its first ``failures`` calls (an unreadable directory, an
+    I/O error mid-walk), then walks as usual."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls = 0
+        self._real = store_module.scan_root
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise OSError(5, "Input/output error", "cache/ab")
+        return self._real(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_failed_scan_refuses_stores_until_a_scan_succeeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = open_store(tmp_path)
+    for i in range(3):
+        assert first.put(key(i), payload(i)) == "stored"
+    on_disk = first.used_bytes
+    first.close()
+    scans = FailingScans(failures=2)
+    monkeypatch.setattr(store_module, "scan_root", scans)
+    monkeypatch.setattr(store_module, "SCAN_RETRY_S", 0.2)
+    store = KvFileStore(tmp_path, on_disk + HEADER_SIZE + 8192)  # room for exactly one more
+    _OPENED.append(store)
+    store.open(background_scan=True)
+    deadline = time.monotonic() + 10
+    while store.scan_error is None:
+        assert time.monotonic() < deadline, "the scan failure was never reported"
+        time.sleep(0.01)
+    assert "Input/output error" in store.status()["scan_error"]
+    assert store.check() == [f"the start-up scan failed: {store.scan_error}"]
+    # Files already on disk are not counted yet: a store now could pass the cap unseen.
+    assert store.put(key(9), payload(9)) == "rejected-scanning"
+    assert not store.path_for(key(9)).exists()
+    assert store.contains(key(1))  # lookups are answered from the disk meanwhile
+    assert store.wait_scan(10), "the scan was not tried again after failing"
+    assert scans.calls == 3 and store.scan_error is None
+    assert store.status()["scan_failures"] == 2
+    assert store.used_bytes == on_disk
+    assert store.put(key(9), payload(9)) == "stored"
+    assert store.put(key(10), payload(10)) == "rejected-capacity"  # the cap holds
+    assert store.used_bytes == on_disk + HEADER_SIZE + 8192
+
+
+def test_the_walker_is_validated_where_it_is_set(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown walker 'rust'"):
+        KvFileStore(tmp_path, 10**9, walker="rust")
+    with pytest.raises(ValueError, match="walk_threads"):
+        KvFileStore(tmp_path, 10**9, walk_threads=-1)
+    assert open_store(tmp_path, walker="python").put(key(1), payload(1)) == "stored"

@@ -55,6 +55,8 @@ def _substitutions(settings: ServerSettings) -> dict[str, str]:
         "KVP_EVICTION_WATERMARK": _numeric_text(settings.eviction_watermark),
         "KVP_EVICTION_RATIO": _numeric_text(settings.eviction_ratio),
         "KVP_L2_SHARDED": "true" if settings.l2_sharded else "false",
+        "KVP_WALKER": settings.walker,
+        "KVP_WALK_THREADS": str(settings.walk_threads),
     }
 
 

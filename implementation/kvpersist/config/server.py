@@ -31,6 +31,7 @@ from typing import Any
 
 from . import values
 from .adapters import known_adapters
+from .admin import WALKERS
 from .envfile import EnvLineError, parse_env_lines
 from .paths import SERVER_TEMPLATE
 from .values import SettingsError as SettingsError
@@ -56,6 +57,8 @@ DEFAULTS: dict[str, str] = {
     "KVP_NODE_ID": "",
     "KVP_SHARED_NODES": "1",
     "KVP_RESTORE_WINDOW_GB": "auto",
+    "KVP_WALKER": "auto",
+    "KVP_WALK_THREADS": "0",
 }
 
 #: ``unix``: sockets in a private directory (the default); ``tcp``: open loopback ports (opt-in).
@@ -133,6 +136,8 @@ class ServerSettings:
     l2_serde: Mapping[str, Any] | None = None
     node_id: str | None = None
     shared_nodes: int = 1
+    walker: str = "auto"  # the start-up scan's walker (auto: C when built)
+    walk_threads: int = 0  # its stat threads (0: one per CPU, at most 8)
     #: ``KVP_CACHE_ROOT`` as given: the tree every node mounts (equal to ``cache_root`` unless
     #: ``node_id`` is set, where ``cache_root`` is this node's part of it).
     tree_root: Path | None = None
@@ -249,6 +254,8 @@ def load_settings(
         http_port=values.port("KVP_HTTP_PORT", merged["KVP_HTTP_PORT"]),
         l2_adapter=adapter,
         l2_sharded=values.boolean("KVP_L2_SHARDED", merged["KVP_L2_SHARDED"]),
+        walker=values.choice("KVP_WALKER", merged["KVP_WALKER"], WALKERS),
+        walk_threads=values.integer("KVP_WALK_THREADS", merged["KVP_WALK_THREADS"], minimum=0),
         eviction_watermark=values.fraction("KVP_EVICTION_WATERMARK", merged["KVP_EVICTION_WATERMARK"]),
         eviction_ratio=values.fraction("KVP_EVICTION_RATIO", merged["KVP_EVICTION_RATIO"]),
         chunk_size=values.positive_int("KVP_CHUNK_SIZE", merged["KVP_CHUNK_SIZE"]),

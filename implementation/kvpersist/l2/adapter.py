@@ -39,6 +39,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from .. import __version__
 from ..config import values
+from ..config.admin import WALKERS
 from ..config.values import SettingsError
 from . import metrics
 from .layout import KeyFields
@@ -54,7 +55,8 @@ _T = TypeVar("_T")
 
 
 _KNOWN_PARAMS = {"path", "max_capacity_gb", "sharded", "fsync", "io_threads", "file_threads",
-                 "quarantine_max_files", "shared_tree", "shared_negative_ttl_s"}
+                 "quarantine_max_files", "shared_tree", "shared_negative_ttl_s", "walker",
+                 "walk_threads"}
 
 
 class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
@@ -63,7 +65,8 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
     def __init__(self, path: str, max_capacity_gb: float, *, sharded: bool = False,
                  fsync: bool = False, io_threads: int = 4, file_threads: int = 16,
                  quarantine_max_files: int = 1024, shared_tree: str | None = None,
-                 shared_negative_ttl_s: float = 2.0) -> None:
+                 shared_negative_ttl_s: float = 2.0, walker: str = "auto",
+                 walk_threads: int = 0) -> None:
         self.path = path
         self.max_capacity_gb = max_capacity_gb
         self.sharded = sharded
@@ -73,6 +76,8 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         self.quarantine_max_files = quarantine_max_files
         self.shared_tree = shared_tree
         self.shared_negative_ttl_s = shared_negative_ttl_s
+        self.walker = walker
+        self.walk_threads = walk_threads
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvPersistL2AdapterConfig:
@@ -99,6 +104,9 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                 shared_tree=shared_tree,
                 shared_negative_ttl_s=values.positive_float(
                     "shared_negative_ttl_s", d.get("shared_negative_ttl_s", 2.0)),
+                walker=values.choice("walker", d.get("walker", "auto"), WALKERS),
+                walk_threads=values.integer("walk_threads", d.get("walk_threads", 0),
+                                            minimum=0),
             )
         except SettingsError as exc:
             raise ValueError(f"kvpersist L2 adapter: {exc}") from None
@@ -119,7 +127,11 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- shared_tree (str): the tree several nodes share; path is then this node's part\n"
             "  (<tree>/nodes/<id>), and keys it lacks are read from the other parts (default none)\n"
             "- shared_negative_ttl_s (float): how long a key missing from every other part is\n"
-            "  not looked for again (default 2.0)"
+            "  not looked for again (default 2.0)\n"
+            "- walker (str): the start-up scan's walker, auto (C when built), c or python\n"
+            "  (default auto; KVP_WALKER)\n"
+            "- walk_threads (int): threads the C walker stats files on, 0 = one per CPU up to 8\n"
+            "  (default 0; KVP_WALK_THREADS)"
         )
 
 
@@ -152,7 +164,8 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             config.path, int(config.max_capacity_gb * _GB), sharded=config.sharded,
             fsync=config.fsync, quarantine_max_files=config.quarantine_max_files,
             on_added=self._announce_added, on_removed=self._announce_removed,
-            shared_tree=config.shared_tree, shared_negative_ttl_s=config.shared_negative_ttl_s)
+            shared_tree=config.shared_tree, shared_negative_ttl_s=config.shared_negative_ttl_s,
+            walker=config.walker, walk_threads=config.walk_threads)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -318,7 +331,11 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def report_status(self) -> dict[str, Any]:
         status = self._store.status()
-        status.update({"is_healthy": True, "type": "KvPersistL2Adapter",
+        scan_error = self._store.scan_error
+        if scan_error is not None:  # stores are refused until a scan succeeds
+            status["unhealthy_reason"] = (f"the start-up scan failed ({scan_error}); stores are "
+                                          "refused and the scan is tried again")
+        status.update({"is_healthy": scan_error is None, "type": "KvPersistL2Adapter",
                        "kvpersist_version": __version__, "kvpersist_module": __file__})
         return status
 

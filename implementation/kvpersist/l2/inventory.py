@@ -257,12 +257,13 @@ def _classify(name: str, in_quarantine: bool) -> tuple[int, str]:
 
 
 def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None = None,
-                    walker: str = "auto", threads: int | None = None) -> Inventory:
+                    walker: str | None = None, threads: int | None = None) -> Inventory:
     """Inventory ``root``; raises InventoryError if it cannot be read at all.
 
-    ``walker``: ``auto`` (C when built, else Python), ``c`` or ``python``; ``KVP_WALKER`` sets it
-    for ``auto``.  ``threads``: how many threads the C walker stats files on (default
-    ``KVP_WALK_THREADS``, else one per CPU up to 8); the inventory never depends on it.
+    ``walker``: ``auto`` (C when built, else Python), ``c`` or ``python``; None: ``KVP_WALKER``
+    (the operator's tools).  ``threads``: how many threads the C walker stats files on (0: one
+    per CPU up to 8; None: ``KVP_WALK_THREADS``); the inventory never depends on it.  The
+    server's store passes both from its validated settings.
     """
     base = Path(root)
     if not base.exists():
@@ -271,12 +272,12 @@ def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None 
         raise InventoryError(f"cache root {base} is not a directory (symlinks are not followed)")
     if not os.access(base, os.R_OK | os.X_OK):
         raise InventoryError(f"cache root {base} is not readable; run as the cache's owner")
-    if walker == "auto" or threads is None:
+    if walker is None or threads is None:
         try:
             configured = load_admin_settings()
         except SettingsError as exc:
             raise InventoryError(str(exc)) from None
-        walker = configured.walker if walker == "auto" else walker
+        walker = configured.walker if walker is None else walker
         threads = configured.walk_threads if threads is None else threads
     if walker not in WALKERS:
         raise InventoryError(f"unknown walker {walker!r}; one of {', '.join(WALKERS)}")

@@ -33,9 +33,11 @@ class ScanResult:
     unparsable_names: int
 
 
-def scan_root(root: Path, *, sharded: bool, remove_temps: bool) -> ScanResult:
-    """Walk ``root`` (with :mod:`kvpersist.l2.inventory`'s walker, C when built)."""
-    inv = build_inventory(root)
+def scan_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "auto",
+              walk_threads: int = 0) -> ScanResult:
+    """Walk ``root`` with :mod:`kvpersist.l2.inventory`'s ``walker`` (``auto``: C when built;
+    the caller's setting, never read from the environment here)."""
+    inv = build_inventory(root, walker=walker, threads=walk_threads)
     base = str(root)
     data = np.array([is_data_dir(base, d, sharded) for d in inv.dirs], bool)[inv.dir_idx] \
         if inv.dirs else np.zeros(0, bool)

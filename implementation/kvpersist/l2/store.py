@@ -14,6 +14,12 @@ Invariants
   its byte count is the sum of their on-disk sizes (header included); the cap holds as stated
   in :mod:`kvpersist.l2.index`.  While the start-up scan runs, stores are refused (counted as
   ``rejected_scanning``) and lookups are answered from the disk.
+* **The cap holds when the scan fails**: a scan that raises leaves the index incomplete, so
+  stores stay refused (files already on disk are never outside the count), ``scan_error`` says
+  why and the adapter reports itself unhealthy; the background scan is tried again
+  (``SCAN_RETRY_S``, doubling up to ``SCAN_RETRY_MAX_S``) until one succeeds, which clears the
+  error.  A scan's entries are added only once it walked the whole tree, and adding is
+  idempotent, so a retry never counts a file twice.
 * **One writer per root** (:mod:`kvpersist.l2.lock`).
 * **Shared tree** (``shared_tree``): this store's root is one node's part of a tree several
   nodes mount; keys its index lacks are looked up read-only in the other parts
@@ -36,6 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..config.admin import WALKERS
 from .census import QuarantineCensus
 from .files import (
     DISK_FULL,
@@ -56,6 +63,9 @@ from .stats import StoreStats
 __all__ = ["KvFileStore", "RootLockedError", "StoreStats"]
 
 logger = logging.getLogger("kvpersist.l2")
+#: The first wait before a failed background scan is tried again; it doubles up to the max.
+SCAN_RETRY_S = 5.0
+SCAN_RETRY_MAX_S = 60.0
 #: Failures that depend on what the reader expected (the payload length LMCache asked for), so a
 #: quarantined file of that kind may still pass its own checks.
 _READER_DEPENDENT = ("length-mismatch",)
@@ -79,6 +89,8 @@ class KvFileStore:
         on_removed: KeysCallback | None = None,
         shared_tree: str | Path | None = None,
         shared_negative_ttl_s: float = 2.0,
+        walker: str = "auto",
+        walk_threads: int = 0,
     ) -> None:
         self.root = Path(root)
         self.sharded = sharded
@@ -92,7 +104,15 @@ class KvFileStore:
         self._scan_error: str | None = None
         self._scan_seconds: float | None = None
         self._scanned_files = 0
+        self._scan_failures = 0
+        self._closing = threading.Event()
         self._remove_temps = True
+        if walker not in WALKERS:
+            raise ValueError(f"unknown walker {walker!r}; one of {', '.join(WALKERS)}")
+        if walk_threads < 0:
+            raise ValueError(f"walk_threads must be 0 (one per CPU) or positive, got {walk_threads}")
+        self.walker = walker
+        self.walk_threads = walk_threads
         self.shared = None if shared_tree is None else SharedTree(
             Path(shared_tree), self.root, lambda key: shard_path_parts(key, self.sharded),
             negative_ttl_s=shared_negative_ttl_s)
@@ -112,13 +132,14 @@ class KvFileStore:
         self._lock_fd = take_root_lock(self.root)
         self._census.count_now()
         if background_scan:
-            self._scan_thread = threading.Thread(target=self._scan, name="kvpersist-l2-scan",
-                                                 daemon=True)
+            self._scan_thread = threading.Thread(target=self._scan_until_done,
+                                                 name="kvpersist-l2-scan", daemon=True)
             self._scan_thread.start()
         else:
             self._scan()
 
     def close(self) -> None:
+        self._closing.set()
         if self._scan_thread is not None:
             self._scan_thread.join(timeout=30)
         if self._lock_fd >= 0:
@@ -137,10 +158,20 @@ class KvFileStore:
     def scan_done(self) -> bool:
         return self.index.complete
 
-    def _scan(self) -> None:
+    def _scan_until_done(self) -> None:
+        """The background scan, tried again after a failure until one succeeds or the store
+        closes (see the module invariants)."""
+        wait = SCAN_RETRY_S
+        while not self._scan() and not self._closing.wait(wait):
+            wait = min(wait * 2, SCAN_RETRY_MAX_S)
+
+    def _scan(self) -> bool:
+        """One scan; True once the index is complete.  A failure keeps it incomplete (stores
+        refused) and records why."""
         began = time.monotonic()
         try:
-            found = scan_root(self.root, sharded=self.sharded, remove_temps=self._remove_temps)
+            found = scan_root(self.root, sharded=self.sharded, remove_temps=self._remove_temps,
+                              walker=self.walker, walk_threads=self.walk_threads)
             self.stats.add(temp_removed=found.temp_removed,
                            unparsable_names=found.unparsable_names)
             batch = 4096
@@ -148,14 +179,28 @@ class KvFileStore:
                 self.index.add(zip(found.keys[start:start + batch],
                                    found.sizes[start:start + batch], strict=True))
             self._scanned_files = len(found.keys)
-        except Exception as exc:  # keep serving lookups; report the failure
+        except Exception as exc:  # keep serving lookups; refuse stores; report the failure
+            self._scan_failures += 1
             self._scan_error = f"{type(exc).__name__}: {exc}"
-            logger.exception("kvpersist L2 scan of %s failed", self.root)
-        finally:
             self._scan_seconds = time.monotonic() - began
-            self.index.mark_complete()
-            logger.info("kvpersist L2 scan of %s: %d files, %d bytes, %.2fs",
-                        self.root, len(self.index), self.index.used_bytes, self._scan_seconds)
+            logger.exception("kvpersist L2 scan of %s failed (attempt %d); stores are refused "
+                             "until a scan succeeds", self.root, self._scan_failures)
+            return False
+        self._scan_seconds = time.monotonic() - began
+        if self._scan_error is not None:
+            logger.warning("kvpersist L2 scan of %s succeeded after %d failed attempt(s) "
+                           "(last: %s); stores resume", self.root, self._scan_failures,
+                           self._scan_error)
+        self._scan_error = None
+        self.index.mark_complete()
+        logger.info("kvpersist L2 scan of %s: %d files, %d bytes, %.2fs",
+                    self.root, len(self.index), self.index.used_bytes, self._scan_seconds)
+        return True
+
+    @property
+    def scan_error(self) -> str | None:
+        """Why the last scan failed, while no scan has succeeded; else None."""
+        return self._scan_error
 
     # ------------------------------------------------------------------ paths
 
@@ -377,6 +422,7 @@ class KvFileStore:
             "scan_done": self.index.complete,
             "scan_seconds": self._scan_seconds,
             "scan_error": self._scan_error,
+            "scan_failures": self._scan_failures,
             "scanned_files": self._scanned_files,
             **self.stats.as_dict(),
             "quarantine_files": quarantine_files,
@@ -395,10 +441,10 @@ class KvFileStore:
         ``deep`` also verifies every indexed file's header and checksum.
         """
         problems: list[str] = []
+        if self._scan_error is not None:
+            return [f"the start-up scan failed: {self._scan_error}"]
         if not self.index.complete:
             return ["the start-up scan has not finished"]
-        if self._scan_error is not None:
-            problems.append(f"the start-up scan failed: {self._scan_error}")
         on_disk = scan_root(self.root, sharded=self.sharded, remove_temps=False)
         disk = dict(zip(on_disk.keys, on_disk.sizes, strict=True))
         indexed = self.index.snapshot()
