@@ -9,4 +9,5 @@ bash scripts/install-glusterfs.sh  # the shared-tree tests; they skip, saying wh
 py="$here/.venv/bin/python"
 echo "== ruff"; "$py" -m ruff check implementation tests benchmarks
 echo "== mypy"; "$py" -m mypy
-echo "== pytest"; exec "$py" -m pytest tests "$@"
+# --durations: the slowest tests show in every run (CI must stay under 60 minutes)
+echo "== pytest"; exec "$py" -m pytest tests --durations=25 "$@"
