@@ -1,7 +1,7 @@
 """``kvp-admin metrics``: a report as Prometheus text (for ``--textfile`` or ``--serve``), joined
 with the LMCache server's own metrics.
 
-The server's admin API listens on a Unix-domain socket (Security in the README), which
+The server's admin API listens on a Unix-domain socket (docs/security.md), which
 Prometheus cannot scrape; ``kvp-admin metrics`` relays the server's ``lmcache_mp_*`` and
 ``kvpersist_l2_*`` families, read-only, next to its own ``kvpersist_*`` figures.  Only those
 prefixes pass: the server's ``process_*``/``python_*`` families would collide with a

@@ -5,7 +5,7 @@ names the holder as ``pid@host``; a second store on the same root is refused wit
 the message.  The lock is released when the descriptor is closed (also when the process dies).
 On a shared tree each node's part is a root of its own, so this is one writer per node's part:
 two servers of one node are refused, two nodes are not (``flock`` holds across the mounts of
-GlusterFS, CephFS, Lustre and NFSv4; see README).
+GlusterFS, CephFS, Lustre and NFSv4; see docs/operations.md, "Sharing the tier across nodes").
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,17 @@ from .shared_tree import SharedTree
 from .stats import StoreStats
 
 __all__ = ["KvFileStore", "RootLockedError", "StoreStats"]
+
+
+@dataclass(frozen=True)
+class _FileRead:
+    """The outcome of :meth:`KvFileStore._read_file`: the file was not there (``absent``), or
+    it failed (``error``: a :class:`FormatError` is a failed check, an ``OSError`` a failed
+    read), or it was verified (``verify_seconds``)."""
+
+    absent: bool = False
+    error: FormatError | OSError | None = None
+    verify_seconds: float = 0.0
 
 logger = logging.getLogger("kvpersist.l2")
 #: The first wait before a failed background scan is tried again; it doubles up to the max.
@@ -298,37 +310,31 @@ class KvFileStore:
     # ------------------------------------------------------------------ load
 
     def read_into(self, key: KeyFields, buf: Any) -> bool:
-        """Fill ``buf`` with the verified payload of ``key``; False (a miss) otherwise."""
+        """Fill ``buf`` with the verified payload of ``key``; False (a miss) otherwise.  A file
+        of this node's that fails its check is quarantined (repair: the next store rewrites
+        it)."""
         if (self.shared is not None and self.index.complete and key not in self.index):
             return self._read_elsewhere(key, buf)
         began = time.perf_counter()
         path = self.path_for(key)
         out = memoryview(buf).cast("B")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
+        read = self._read_file(path, key, out)
+        if read.absent:
             self.index.remove(key)  # vanished (cleanup, eviction race): an ordinary miss
             if self.shared is not None:
                 return self._read_elsewhere(key, buf)
             self.stats.add(loads=1, load_misses=1)
             return False
-        try:
-            verify_seconds = read_verified(fd, key, out, self._count_read)
-        except FormatError as exc:
-            os.close(fd)
+        if isinstance(read.error, FormatError):
             self.stats.add(loads=1)
-            self._quarantine(path, key, exc.reason, str(exc))
+            self._quarantine(path, key, read.error.reason, str(read.error))
             return False
-        except OSError as exc:
-            os.close(fd)
-            logger.warning("kvpersist L2: read of %s failed: %s", path.name, exc)
+        if read.error is not None:
+            logger.warning("kvpersist L2: read of %s failed: %s", path.name, read.error)
             self.stats.add(loads=1, load_misses=1)
             return False
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.utime(path)  # last access, so the LRU order survives restarts
         self.stats.add(loads=1, load_hits=1, loaded_bytes=out.nbytes,
-                       verify_seconds=verify_seconds,
+                       verify_seconds=read.verify_seconds,
                        load_seconds=time.perf_counter() - began)
         return True
 
@@ -342,27 +348,36 @@ class KvFileStore:
             self.stats.add(loads=1, load_misses=1)
             return False
         out = memoryview(buf).cast("B")
+        read = self._read_file(path, key, out)
+        if read.absent or read.error is not None:
+            self.shared.forget(key)
+            if read.error is not None:
+                logger.warning("kvpersist L2: %s from another node is a miss: %s", path.name,
+                               read.error)
+            self.stats.add(loads=1, load_misses=1, foreign_failures=int(not read.absent))
+            return False
+        self.stats.add(loads=1, load_hits=1, loaded_bytes=out.nbytes, foreign_hits=1,
+                       verify_seconds=read.verify_seconds,
+                       load_seconds=time.perf_counter() - began)
+        return True
+
+    def _read_file(self, path: Path, key: KeyFields, out: memoryview) -> _FileRead:
+        """The one verified read of a file, a node's own or another's: ``out`` holds the
+        payload only when the outcome has no error and the file was there.  A hit also marks
+        the file's last access (LRU order that survives restarts, the owner's included)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
-            self.shared.forget(key)
-            self.stats.add(loads=1, load_misses=1)
-            return False
+            return _FileRead(absent=True)
         try:
             verify_seconds = read_verified(fd, key, out, self._count_read)
         except (FormatError, OSError) as exc:
-            self.shared.forget(key)
-            logger.warning("kvpersist L2: %s from another node is a miss: %s", path.name, exc)
-            self.stats.add(loads=1, load_misses=1, foreign_failures=1)
-            return False
+            return _FileRead(error=exc)
         finally:
             os.close(fd)
         with contextlib.suppress(OSError):
-            os.utime(path)  # the owner's LRU order sees this read after its next restart
-        self.stats.add(loads=1, load_hits=1, loaded_bytes=out.nbytes, foreign_hits=1,
-                       verify_seconds=verify_seconds,
-                       load_seconds=time.perf_counter() - began)
-        return True
+            os.utime(path)
+        return _FileRead(verify_seconds=verify_seconds)
 
     def _count_read(self, nbytes: int) -> None:
         self.stats.add(read_bytes=nbytes)
