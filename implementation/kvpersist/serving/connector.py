@@ -205,8 +205,6 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         if role is KVConnectorRole.SCHEDULER and options.http_url:
             self._kvp_probe = ServerProgressProbe(options.http_url.rstrip("/") + "/status",
                                                   self._kvp_deadline)
-        self.kvp_bypassed_requests = 0
-        self.kvp_dropped_stores = 0
         # LMCache's stats plus kvpersist's bypass and failed-load counts, in vLLM's /metrics
         self._connector_stats = KvPersistConnectorStats()
         self.kvp_fence: LoadFence | None = None
@@ -326,7 +324,6 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         rid = request.request_id
         if not self._kvp_skip(request):
             return
-        self.kvp_bypassed_requests += 1
         self._connector_stats.record_bypass(reason)
         logger.warning("kvpersist: request %s bypasses the KV cache (%s); it is recomputed",
                        rid, why)
@@ -342,7 +339,8 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
             requests = getattr(metadata, "requests", [])
             kept = [r for r in requests if getattr(r, "direction", None) != "STORE"]
             if len(kept) != len(requests):
-                self.kvp_dropped_stores += len(requests) - len(kept)
+                self._connector_stats.record_dropped_stores("server_down",
+                                                            len(requests) - len(kept))
                 metadata.requests = kept  # type: ignore[attr-defined]
         return metadata
 

@@ -4,14 +4,15 @@ that failed, by reason.
 vLLM collects connector statistics through ``KVConnectorStats`` objects (the scheduler's and the
 workers', aggregated, sent to the API server) and exposes them through the connector class's
 ``KVConnectorPromMetrics``.  These classes extend LMCache's (its lookup-latency histogram stays)
-with ``vllm:kvpersist_lookup_bypasses_total{reason=...}`` and
-``vllm:kvpersist_failed_loads_total{reason=...}``.
+with ``vllm:kvpersist_lookup_bypasses_total{reason=...}``,
+``vllm:kvpersist_failed_loads_total{reason=...}`` and ``vllm:kvpersist_dropped_stores_total``.
 
 Invariants
 ----------
 * A bypass is counted once, by the scheduler connector that decided it, under one of
   :data:`BYPASS_REASONS`; a failed load once per worker that reported it, under one of
-  :data:`FAILED_LOAD_REASONS`; aggregation adds counts and never drops LMCache's own data.
+  :data:`FAILED_LOAD_REASONS`; a store not sent once, by the scheduler that dropped it;
+  aggregation adds counts and never drops LMCache's own data.
 * Every class here is serializable the way vLLM needs: the payload is the ``data`` dict.
 """
 
@@ -34,6 +35,10 @@ BYPASS_REASONS = ("server_down", "stalled", "too_long")
 BYPASS_METRIC = "vllm:kvpersist_lookup_bypasses_total"
 FAILED_LOADS = "kvpersist_failed_loads"
 FAILED_LOAD_METRIC = "vllm:kvpersist_failed_loads_total"
+DROPPED_STORES = "kvpersist_dropped_stores"
+DROPPED_STORE_METRIC = "vllm:kvpersist_dropped_stores_total"
+#: server_down: the scheduler's heartbeat said the server is down when the store was due.
+DROPPED_STORE_REASONS = ("server_down",)
 #: What each labelled counter of these stats is: data key -> (metric, reasons, help text).
 COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     BYPASSES: (BYPASS_METRIC, BYPASS_REASONS,
@@ -44,6 +49,9 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
                    "counted per worker, by reason: server_error (the server answered that it "
                    "failed), server_gone (its server exited with the load in flight), "
                    "unhealthy_at_submit (never sent: the heartbeat said unhealthy)."),
+    DROPPED_STORES: (DROPPED_STORE_METRIC, DROPPED_STORE_REASONS,
+                     "Stores the scheduler did not send (those chunks are not cached), by "
+                     "reason: server_down (the heartbeat said the server is down)."),
 }
 
 
@@ -64,6 +72,9 @@ class KvPersistConnectorStats(LMCacheMPConnectorStats):  # type: ignore[misc]
 
     def record_failed_load(self, reason: str, n: int = 1) -> None:
         self._count(FAILED_LOADS, reason, n)
+
+    def record_dropped_stores(self, reason: str, n: int) -> None:
+        self._count(DROPPED_STORES, reason, n)
 
     def clone_and_reset(self) -> KvPersistConnectorStats:
         snapshot = KvPersistConnectorStats(data={
@@ -91,6 +102,8 @@ class KvPersistConnectorStats(LMCacheMPConnectorStats):  # type: ignore[misc]
             out[f"kvpersist bypasses ({reason})"] = count
         for reason, count in self.data[FAILED_LOADS].items():
             out[f"kvpersist failed loads ({reason})"] = count
+        for reason, count in self.data[DROPPED_STORES].items():
+            out[f"kvpersist dropped stores ({reason})"] = count
         return out
 
     def is_empty(self) -> bool:
