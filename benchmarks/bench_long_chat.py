@@ -8,7 +8,7 @@ tests/e2e/test_long_conversation_e2e.py (34k tokens, 34 MiB of KV).
     .venv/bin/python benchmarks/bench_long_chat.py --geometry wide --tokens 8192 \
         --transfer-modes engine_driven,lmcache_driven
         # LMCache's two CPU transports side by side in one run (restored TTFT, /dev/shm left)
-    .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 122000 --l1-gb 0.5
+    .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 127500 --l1-gb 0.5
         # 131k tokens at 16 KiB/token (2 GiB of KV) through an L1 of 0.5 GiB: the restore
         # streams through L1 (kvpersist.serving.l1_streaming); also a cold raw read of the
         # same files, with the page cache dropped, for comparison
@@ -41,7 +41,7 @@ from kvpersist.testing.slow_disk import drop_caches
 
 GEOMETRIES = {"tiny": LONG_CONTEXT, "wide": WIDE_KV._replace(max_pos=40960),
               # 8 layers x 4 KV heads x 64, float32: 16 KiB/token, 2 GiB at 128k tokens
-              "mid": Geometry("kvpersist/tiny-llama-mid-kv", 256, 8, 4, 4, 64, 139264)}
+              "mid": Geometry("kvpersist/tiny-llama-mid-kv", 256, 8, 4, 4, 64, 147456)}
 
 
 def raw_cold_read(files: list[Path]) -> tuple[float, int]:

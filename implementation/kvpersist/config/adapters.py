@@ -57,6 +57,7 @@ def _substitutions(settings: ServerSettings) -> dict[str, str]:
         "KVP_L2_SHARDED": "true" if settings.l2_sharded else "false",
         "KVP_WALKER": settings.walker,
         "KVP_WALK_THREADS": str(settings.walk_threads),
+        "KVP_L2_DIRECT_IO": "true" if settings.l2_direct_io else "false",
     }
 
 

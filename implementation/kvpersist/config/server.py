@@ -59,6 +59,7 @@ DEFAULTS: dict[str, str] = {
     "KVP_RESTORE_WINDOW_GB": "auto",
     "KVP_WALKER": "auto",
     "KVP_WALK_THREADS": "0",
+    "KVP_L2_DIRECT_IO": "false",
 }
 
 #: ``unix``: sockets in a private directory (the default); ``tcp``: open loopback ports (opt-in).
@@ -138,6 +139,7 @@ class ServerSettings:
     shared_nodes: int = 1
     walker: str = "auto"  # the start-up scan's walker (auto: C when built)
     walk_threads: int = 0  # its stat threads (0: one per CPU, at most 8)
+    l2_direct_io: bool = False  # O_DIRECT payload reads (kvpersist adapter)
     #: ``KVP_CACHE_ROOT`` as given: the tree every node mounts (equal to ``cache_root`` unless
     #: ``node_id`` is set, where ``cache_root`` is this node's part of it).
     tree_root: Path | None = None
@@ -256,6 +258,7 @@ def load_settings(
         l2_sharded=values.boolean("KVP_L2_SHARDED", merged["KVP_L2_SHARDED"]),
         walker=values.choice("KVP_WALKER", merged["KVP_WALKER"], WALKERS),
         walk_threads=values.integer("KVP_WALK_THREADS", merged["KVP_WALK_THREADS"], minimum=0),
+        l2_direct_io=values.boolean("KVP_L2_DIRECT_IO", merged["KVP_L2_DIRECT_IO"]),
         eviction_watermark=values.fraction("KVP_EVICTION_WATERMARK", merged["KVP_EVICTION_WATERMARK"]),
         eviction_ratio=values.fraction("KVP_EVICTION_RATIO", merged["KVP_EVICTION_RATIO"]),
         chunk_size=values.positive_int("KVP_CHUNK_SIZE", merged["KVP_CHUNK_SIZE"]),

@@ -56,7 +56,7 @@ _T = TypeVar("_T")
 
 _KNOWN_PARAMS = {"path", "max_capacity_gb", "sharded", "fsync", "io_threads", "file_threads",
                  "quarantine_max_files", "shared_tree", "shared_negative_ttl_s", "walker",
-                 "walk_threads"}
+                 "walk_threads", "direct_io"}
 
 
 class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
@@ -66,7 +66,7 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                  fsync: bool = False, io_threads: int = 4, file_threads: int = 16,
                  quarantine_max_files: int = 1024, shared_tree: str | None = None,
                  shared_negative_ttl_s: float = 2.0, walker: str = "auto",
-                 walk_threads: int = 0) -> None:
+                 walk_threads: int = 0, direct_io: bool = False) -> None:
         self.path = path
         self.max_capacity_gb = max_capacity_gb
         self.sharded = sharded
@@ -78,6 +78,7 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         self.shared_negative_ttl_s = shared_negative_ttl_s
         self.walker = walker
         self.walk_threads = walk_threads
+        self.direct_io = direct_io
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvPersistL2AdapterConfig:
@@ -107,6 +108,7 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                 walker=values.choice("walker", d.get("walker", "auto"), WALKERS),
                 walk_threads=values.integer("walk_threads", d.get("walk_threads", 0),
                                             minimum=0),
+                direct_io=values.boolean("direct_io", d.get("direct_io", False)),
             )
         except SettingsError as exc:
             raise ValueError(f"kvpersist L2 adapter: {exc}") from None
@@ -131,7 +133,11 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- walker (str): the start-up scan's walker, auto (C when built), c or python\n"
             "  (default auto; KVP_WALKER)\n"
             "- walk_threads (int): threads the C walker stats files on, 0 = one per CPU up to 8\n"
-            "  (default 0; KVP_WALK_THREADS)"
+            "  (default 0; KVP_WALK_THREADS)\n"
+            "- direct_io (bool): read payloads with O_DIRECT, past the page cache, straight into\n"
+            "  L1's buffers where they are page-aligned; verified as ever; a file system that\n"
+            "  refuses it falls back to buffered reads with a log line (default false;\n"
+            "  KVP_L2_DIRECT_IO)"
         )
 
 
@@ -165,7 +171,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             fsync=config.fsync, quarantine_max_files=config.quarantine_max_files,
             on_added=self._announce_added, on_removed=self._announce_removed,
             shared_tree=config.shared_tree, shared_negative_ttl_s=config.shared_negative_ttl_s,
-            walker=config.walker, walk_threads=config.walk_threads)
+            walker=config.walker, walk_threads=config.walk_threads, direct_io=config.direct_io)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()

@@ -33,6 +33,7 @@ Invariants
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -103,6 +104,7 @@ class KvFileStore:
         shared_negative_ttl_s: float = 2.0,
         walker: str = "auto",
         walk_threads: int = 0,
+        direct_io: bool = False,
     ) -> None:
         self.root = Path(root)
         self.sharded = sharded
@@ -125,6 +127,8 @@ class KvFileStore:
             raise ValueError(f"walk_threads must be 0 (one per CPU) or positive, got {walk_threads}")
         self.walker = walker
         self.walk_threads = walk_threads
+        # O_DIRECT reads asked for and not (yet) refused by the file system
+        self.direct_io = direct_io
         self.shared = None if shared_tree is None else SharedTree(
             Path(shared_tree), self.root, lambda key: shard_path_parts(key, self.sharded),
             negative_ttl_s=shared_negative_ttl_s)
@@ -365,19 +369,39 @@ class KvFileStore:
         """The one verified read of a file, a node's own or another's: ``out`` holds the
         payload only when the outcome has no error and the file was there.  A hit also marks
         the file's last access (LRU order that survives restarts, the owner's included)."""
+        direct = self.direct_io
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return _FileRead(absent=True)
+            fd = os.open(path, flags | (os.O_DIRECT if direct else 0))
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                return _FileRead(absent=True)
+            self._refuse_direct(path, exc)
+            return self._read_file(path, key, out)
         try:
-            verify_seconds = read_verified(fd, key, out, self._count_read)
-        except (FormatError, OSError) as exc:
+            verify_seconds = read_verified(fd, key, out, self._count_read, direct=direct)
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                return _FileRead(error=exc)
+            self._refuse_direct(path, exc)  # alignment the device will not take: buffered
+            os.close(fd)
+            fd = -1
+            return self._read_file(path, key, out)
+        except FormatError as exc:
             return _FileRead(error=exc)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         with contextlib.suppress(OSError):
             os.utime(path)
         return _FileRead(verify_seconds=verify_seconds)
+
+    def _refuse_direct(self, path: Path, exc: OSError) -> None:
+        if self.direct_io:
+            self.direct_io = False
+            logger.warning("kvpersist L2: O_DIRECT reads refused under %s (%s: %s); reading "
+                           "through the page cache from now on", self.root, path.name,
+                           exc.strerror)
 
     def _count_read(self, nbytes: int) -> None:
         self.stats.add(read_bytes=nbytes)
@@ -438,6 +462,7 @@ class KvFileStore:
             "scan_seconds": self._scan_seconds,
             "scan_error": self._scan_error,
             "scan_failures": self._scan_failures,
+            "direct_io": self.direct_io,
             "scanned_files": self._scanned_files,
             **self.stats.as_dict(),
             "quarantine_files": quarantine_files,

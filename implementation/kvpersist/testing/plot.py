@@ -77,3 +77,50 @@ def line_plot(path: Path, title: str, x_label: str, y_label: str,
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
     return path
+
+
+def bar_plot(path: Path, title: str, y_label: str, groups: dict[str, dict[str, float]],
+             *, size: tuple[int, int] = (900, 560)) -> Path:
+    """Write grouped bars (group → bar name → value, every group the same bar names in the
+    same colours, values from 0) as a PNG to ``path``."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    names = list(dict.fromkeys(n for bars in groups.values() for n in bars))
+    values = [v for bars in groups.values() for v in bars.values()]
+    if not names or not values:
+        raise ValueError("nothing to plot")
+    left, top, bottom, right = 90, 50, 70, 70 + 8 * max(len(n) for n in names)
+    width, height = size[0] + right - 220, size[1]
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=14)
+    plot_w, plot_h = width - left - right, height - top - bottom
+    y_max = max(values) * 1.1 or 1.0
+    draw.text((left, 15), title, fill="black", font=font)
+    draw.line([(left, top), (left, top + plot_h), (left + plot_w, top + plot_h)], fill="black")
+    for i in range(6):
+        v = y_max * i / 5
+        y = top + plot_h - plot_h * v / y_max
+        draw.line([(left - 5, y), (left, y)], fill="black")
+        draw.text((10, y - 8), f"{v:.2f}", fill="black", font=font)
+    draw.text((10, top - 30), y_label, fill="black", font=font)
+    group_w = plot_w / len(groups)
+    bar_w = group_w * 0.8 / len(names)
+    for g, (group, bars) in enumerate(groups.items()):
+        x0 = left + g * group_w + group_w * 0.1
+        for b, name in enumerate(names):
+            if name not in bars:
+                continue
+            x = x0 + b * bar_w
+            y = top + plot_h - plot_h * bars[name] / y_max
+            draw.rectangle([x, y, x + bar_w - 2, top + plot_h], fill=COLOURS[b % len(COLOURS)])
+            draw.text((x, y - 16), f"{bars[name]:.2f}", fill="black", font=font)
+        draw.text((x0, top + plot_h + 10), group, fill="black", font=font)
+    for b, name in enumerate(names):
+        y = top + 10 + 20 * b
+        draw.rectangle([width - right + 10, y, width - right + 24, y + 12],
+                       fill=COLOURS[b % len(COLOURS)])
+        draw.text((width - right + 30, y - 2), name, fill="black", font=font)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path

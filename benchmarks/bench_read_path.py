@@ -1,0 +1,194 @@
+"""Benchmark (on demand, never in CI): kvpersist's verified L2 read, buffered and O_DIRECT,
+against raw reads of the same files in the same run, on the VM's disk and on a RAM-backed block
+device (a loop device over a file in /dev/shm, ext4), with the page cache dropped before each
+pass.  The RAM device takes the disk out of the picture: what is left is what our code costs.
+
+Every reader uses the same threads and page-aligned buffers (LMCache's L1 objects are 4096-byte
+aligned), and reads every file whole:
+
+- ``raw buffered`` / ``raw direct``: ``os.preadv`` of the whole file, nothing checked;
+- ``kvpersist buffered`` / ``kvpersist direct``: ``KvFileStore.read_into`` (header, key, size
+  and xxh3 of the payload checked; ``direct_io`` off / on).
+
+    sudo .venv/bin/python benchmarks/bench_read_path.py --files 64 --mib 16 \\
+        --json benchmarks/results/read-path.json --plot benchmarks/results/read-path.png
+
+Passes alternate between the readers (``--repeats`` rounds) and the best pass of each is kept.
+Needs root for dropping the page cache and for the loop device (``--devices disk`` without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kvpersist.l2.layout import KeyFields
+from kvpersist.l2.store import KvFileStore
+from kvpersist.testing.plot import bar_plot
+from kvpersist.testing.slow_disk import drop_caches
+
+NS = "kvp-" + "b" * 32
+READERS = ("raw buffered", "raw direct", "kvpersist buffered", "kvpersist direct")
+
+
+def key(i: int) -> KeyFields:
+    return KeyFields(f"bench/model/{NS}", 0x01000100, 0, i.to_bytes(32, "big"), "")
+
+
+@contextlib.contextmanager
+def ram_device(gib: float) -> Iterator[Path]:
+    """An ext4 file system on a loop device over a file in /dev/shm, mounted; removed after."""
+    work = Path(tempfile.mkdtemp(prefix="kvp-ramdev-"))
+    backing = Path(tempfile.mkdtemp(dir="/dev/shm")) / "disk.img"
+    with backing.open("wb") as f:
+        f.truncate(int(gib * 2**30))
+    loop = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-F", loop], check=True)
+        subprocess.run(["mount", loop, str(work)], check=True)
+        try:
+            yield work
+        finally:
+            subprocess.run(["umount", str(work)], check=False)
+    finally:
+        subprocess.run(["losetup", "-d", loop], check=False)
+        backing.unlink()
+        backing.parent.rmdir()
+        work.rmdir()
+
+
+def buffers(count: int, size: int) -> list[memoryview]:
+    return [memoryview(mmap.mmap(-1, size)) for _ in range(count)]
+
+
+def raw_reader(paths: list[Path], direct: bool) -> Callable[[int, memoryview], int]:
+    def read(i: int, out: memoryview) -> int:
+        fd = os.open(paths[i], os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            total = 0
+            while total < out.nbytes:
+                n = os.preadv(fd, [out[total:]], total)
+                if n <= 0:
+                    break
+                total += n
+            return total
+        finally:
+            os.close(fd)
+    return read
+
+
+def timed_pass(read: Callable[[int, memoryview], int], bufs: list[memoryview], count: int,
+               threads: int) -> float:
+    """Seconds to read ``count`` files on ``threads`` threads, page cache dropped first."""
+    drop_caches()
+    began = time.monotonic()
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(lambda i: read(i, bufs[i % len(bufs)]), range(count)))
+    elapsed = time.monotonic() - began
+    if not all(results):
+        raise RuntimeError("a read failed: the benchmark would measure misses")
+    return elapsed
+
+
+def run_device(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    size = args.mib << 20
+    store = KvFileStore(root / "cache", 10**13)
+    store.open(background_scan=False)
+    try:
+        data = os.urandom(size)
+        for i in range(args.files):
+            if store.put(key(i), data) != "stored":
+                raise RuntimeError(f"store {i} was refused")
+        paths = [store.path_for(key(i)) for i in range(args.files)]
+    finally:
+        store.close()
+    stores = {mode: KvFileStore(root / "cache", 10**13, direct_io=(mode == "direct"))
+              for mode in ("buffered", "direct")}
+    for s in stores.values():
+        s.open(background_scan=False)
+    try:
+        file_bufs = buffers(args.threads, size + 4096)  # raw reads take header and payload
+        payload_bufs = [b[:size] for b in buffers(args.threads, size)]
+        readers: dict[str, tuple[Callable[[int, memoryview], int], list[memoryview]]] = {
+            "raw buffered": (raw_reader(paths, False), file_bufs),
+            "raw direct": (raw_reader(paths, True), file_bufs),
+            "kvpersist buffered": (lambda i, out: int(stores["buffered"].read_into(key(i), out)),
+                                   payload_bufs),
+            "kvpersist direct": (lambda i, out: int(stores["direct"].read_into(key(i), out)),
+                                 payload_bufs),
+        }
+        best: dict[str, float] = {}
+        for _ in range(args.repeats):
+            for reader in READERS:
+                read, bufs = readers[reader]
+                seconds = timed_pass(read, bufs, args.files, args.threads)
+                best[reader] = min(best.get(reader, seconds), seconds)
+        still_direct = stores["direct"].direct_io
+        verify_s = stores["direct"].status().get("verify_seconds")
+    finally:
+        for s in stores.values():
+            s.close()
+    gib = args.files * size / 2**30
+    rates = {reader: gib / seconds for reader, seconds in best.items()}
+    return {"device": name, "files": args.files, "file_mib": args.mib, "gib": round(gib, 3),
+            "threads": args.threads, "gib_per_s": {r: round(v, 3) for r, v in rates.items()},
+            "seconds": {r: round(v, 3) for r, v in best.items()},
+            "direct_stayed_on": still_direct,
+            "kvpersist_direct_over_buffered": round(rates["kvpersist direct"]
+                                                    / rates["kvpersist buffered"], 3),
+            "kvpersist_best_over_raw_best": round(
+                max(rates["kvpersist direct"], rates["kvpersist buffered"])
+                / max(rates["raw direct"], rates["raw buffered"]), 3),
+            "verify_seconds_total": verify_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", type=int, default=64, help="files per pass")
+    parser.add_argument("--mib", type=int, default=16, help="payload MiB per file (a chunk)")
+    parser.add_argument("--threads", type=int, default=16, help="files read at once "
+                        "(the adapter's file_threads default)")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds over the four readers")
+    parser.add_argument("--devices", default="disk,ram", help="disk (a temp dir under --disk-dir), "
+                        "ram (ext4 on a loop device over /dev/shm)")
+    parser.add_argument("--disk-dir", default="/var/tmp", help="a directory on the VM's disk")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--plot", type=Path, help="write a bar chart (PNG) here")
+    args = parser.parse_args()
+    results = []
+    for device in args.devices.split(","):
+        if device == "disk":
+            with tempfile.TemporaryDirectory(dir=args.disk_dir) as d:
+                results.append(run_device("VM disk", Path(d), args))
+        elif device == "ram":
+            gib = args.files * (args.mib + 1) / 1024 * 1.3 + 0.5
+            with ram_device(gib) as root:
+                results.append(run_device("RAM loop device", root, args))
+        else:
+            parser.error(f"unknown device {device!r}")
+    print(json.dumps(results, indent=2))
+    print(f"\n{'device':<16} " + " ".join(f"{r:>19}" for r in READERS) + "   (GiB/s)")
+    for r in results:
+        print(f"{r['device']:<16} " + " ".join(f"{r['gib_per_s'][k]:>19.2f}" for k in READERS))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot:
+        bar_plot(args.plot, f"Reading {args.files} x {args.mib} MiB files, page cache dropped, "
+                 f"{args.threads} threads", "GiB/s",
+                 {r["device"]: r["gib_per_s"] for r in results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""O_DIRECT reads (``direct_io``): the same verified bytes as buffered reads, into aligned and
+unaligned buffers and with a tail shorter than a page; a corrupt file is still caught; a file
+system that refuses O_DIRECT falls back to buffered reads with a log line."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpersist.l2.files import DIRECT_ALIGN, is_aligned
+from kvpersist.l2.layout import KeyFields
+from kvpersist.l2.store import KvFileStore
+from kvpersist.testing.corruption import corrupt_file
+
+NS = "kvp-" + "d" * 32
+#: the page cache's disk here: /tmp is on the VM's block device (ext4), which takes O_DIRECT
+DISK_DIR = Path(tempfile.gettempdir())
+
+
+def key(i: int) -> KeyFields:
+    return KeyFields(f"org/model/{NS}", 0x01000100, 0, i.to_bytes(32, "big"), "")
+
+
+def payload(i: int, size: int) -> bytes:
+    return bytes((i * 13 + j * 7) % 251 for j in range(size))
+
+
+@pytest.fixture
+def disk_root() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(dir=DISK_DIR) as d:
+        yield Path(d)
+
+
+def aligned_buffer(size: int) -> memoryview:
+    view = memoryview(mmap.mmap(-1, max(size, 1)))[:size]
+    assert is_aligned(view)
+    return view
+
+
+def unaligned_buffer(size: int) -> memoryview:
+    view = memoryview(mmap.mmap(-1, size + 16))[16:16 + size]
+    assert not is_aligned(view)
+    return view
+
+
+@pytest.mark.parametrize("size", [3 * (1 << 20), (1 << 20) + 100, 5000, 512])
+@pytest.mark.parametrize("make", [aligned_buffer, unaligned_buffer])
+def test_direct_reads_give_the_verified_bytes(disk_root: Path, size: int, make: object) -> None:
+    store = KvFileStore(disk_root, 10**9, direct_io=True)
+    store.open(background_scan=False)
+    try:
+        data = payload(size, size)
+        assert store.put(key(1), data) == "stored"
+        out = make(size)  # type: ignore[operator]
+        assert store.read_into(key(1), out)
+        assert bytes(out) == data
+        assert store.direct_io, "the disk refused O_DIRECT: the direct path was not tested"
+        assert store.check() == []
+    finally:
+        store.close()
+
+
+def test_a_corrupt_file_is_caught_on_the_direct_path(disk_root: Path) -> None:
+    store = KvFileStore(disk_root, 10**9, direct_io=True)
+    store.open(background_scan=False)
+    try:
+        size = 2 * DIRECT_ALIGN * 64 + 77
+        assert store.put(key(2), payload(2, size)) == "stored"
+        corrupt_file(store.path_for(key(2)), "flip")
+        assert not store.read_into(key(2), aligned_buffer(size))
+        assert store.status()["verify_failures"] == 1 and store.direct_io
+        assert store.check() == []
+    finally:
+        store.close()
+
+
+def test_a_file_system_refusing_o_direct_falls_back_with_a_log_line(
+        disk_root: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """tmpfs takes O_DIRECT since Linux 6.6 (this kernel does), so the refusal older kernels and
+    some FUSE file systems give (EINVAL at open) is simulated at ``os.open``."""
+    real_open = os.open
+
+    def refusing(path: object, flags: int, *args: object) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    store = KvFileStore(disk_root, 10**9, direct_io=True)
+    store.open(background_scan=False)
+    try:
+        data = payload(3, 70_000)
+        assert store.put(key(3), data) == "stored"
+        monkeypatch.setattr(os, "open", refusing)
+        out = aligned_buffer(len(data))
+        assert store.read_into(key(3), out) and bytes(out) == data
+        assert not store.direct_io and store.status()["direct_io"] is False
+        assert "O_DIRECT reads refused" in caplog.text
+        monkeypatch.setattr(os, "open", real_open)
+        assert store.check() == []
+    finally:
+        store.close()
