@@ -111,34 +111,30 @@ def run_device(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
             if store.put(key(i), data) != "stored":
                 raise RuntimeError(f"store {i} was refused")
         paths = [store.path_for(key(i)) for i in range(args.files)]
-    finally:
-        store.close()
-    stores = {mode: KvFileStore(root / "cache", 10**13, direct_io=(mode == "direct"))
-              for mode in ("buffered", "direct")}
-    for s in stores.values():
-        s.open(background_scan=False)
-    try:
+
+        def verified(direct: bool) -> Callable[[int, memoryview], int]:
+            def read(i: int, out: memoryview) -> int:
+                return int(store.read_into(key(i), out))
+            store.direct_io = direct  # passes run one at a time: the pass's mode holds
+            return read
+
         file_bufs = buffers(args.threads, size + 4096)  # raw reads take header and payload
         payload_bufs = [b[:size] for b in buffers(args.threads, size)]
-        readers: dict[str, tuple[Callable[[int, memoryview], int], list[memoryview]]] = {
-            "raw buffered": (raw_reader(paths, False), file_bufs),
-            "raw direct": (raw_reader(paths, True), file_bufs),
-            "kvpersist buffered": (lambda i, out: int(stores["buffered"].read_into(key(i), out)),
-                                   payload_bufs),
-            "kvpersist direct": (lambda i, out: int(stores["direct"].read_into(key(i), out)),
-                                 payload_bufs),
-        }
         best: dict[str, float] = {}
+        still_direct = True
         for _ in range(args.repeats):
             for reader in READERS:
-                read, bufs = readers[reader]
+                if reader.startswith("raw"):
+                    read, bufs = raw_reader(paths, reader.endswith("direct")), file_bufs
+                else:
+                    read, bufs = verified(reader.endswith("direct")), payload_bufs
                 seconds = timed_pass(read, bufs, args.files, args.threads)
+                if reader == "kvpersist direct":
+                    still_direct = still_direct and store.direct_io
                 best[reader] = min(best.get(reader, seconds), seconds)
-        still_direct = stores["direct"].direct_io
-        verify_s = stores["direct"].status().get("verify_seconds")
+        verify_s = store.status().get("verify_seconds")
     finally:
-        for s in stores.values():
-            s.close()
+        store.close()
     gib = args.files * size / 2**30
     rates = {reader: gib / seconds for reader, seconds in best.items()}
     return {"device": name, "files": args.files, "file_mib": args.mib, "gib": round(gib, 3),
