@@ -5,7 +5,6 @@ through the server, keeps its accounting right, and leaves the active namespace 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,13 @@ from kvpersist.admin.cli import main
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.helpers import adapter_status as adapter
-from kvpersist.testing.helpers import clear_l1, l2_files, server_env, wait_for_l2_files
+from kvpersist.testing.helpers import (
+    clear_l1,
+    l2_files,
+    server_env,
+    wait_for_l2_files,
+    wait_until,
+)
 from kvpersist.testing.lmcache_bench import BenchDriver
 
 pytestmark = pytest.mark.integration
@@ -65,7 +70,9 @@ def test_status_report_cleanup_with_live_server(env: ServerSettings,
 
     result = cli_json(capsys, "cleanup", "--apply")
     assert result["deleted_files"] == 4 and result["via_server"] == 4
-    time.sleep(1.0)
+    # the server's index drops the deleted keys (its byte count is checked below)
+    wait_until(lambda: adapter(env)["files"] == 4,
+               message="the server's index still counts the deleted files")
     names = l2_files(root, (".kvp",))
     assert len(names) == 4 and all(NS_A in n for n in names)
     assert adapter(env)["used_bytes"] == sum(p.stat().st_size for p in root.glob("*.kvp"))

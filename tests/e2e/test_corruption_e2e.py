@@ -17,7 +17,7 @@ from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving.server import start_server
 from kvpersist.testing.corruption import corrupt_file
-from kvpersist.testing.helpers import TINY_PINS, adapter_status, clear_l1
+from kvpersist.testing.helpers import TINY_PINS, adapter_status, clear_l1, wait_for_l2_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -72,7 +72,7 @@ def test_corruption_matrix_through_vllm(tiny_model: Path, tmp_path: Path,
             hits_before = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
             # the recompute stored good files again (repair): the next request hits L2 fully
             wait_files(root, n_chunks)
-            time.sleep(1.0)
+            wait_for_l2_idle(settings)  # those stores finished, LMCache took their completion
             clear_l1(settings)
             repaired = chat(vllm.base_url, messages)
             hits_after = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")

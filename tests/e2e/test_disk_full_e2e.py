@@ -4,7 +4,6 @@ and every answer equals the one it gave before: from L2 where a chunk fit, recom
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation
 from kvpersist.l2.files import verify_file
 from kvpersist.serving.server import start_server, stop_server
-from kvpersist.testing.helpers import TINY_PINS, adapter_status, clear_l1
+from kvpersist.testing.helpers import TINY_PINS, adapter_status, clear_l1, wait_for_l2_idle
 from kvpersist.testing.helpers import server_env as make_server_env
 
 pytestmark = pytest.mark.e2e
@@ -30,8 +29,9 @@ def test_disk_full_vllm_keeps_answering_correctly(tiny_model: Path, tmp_path: Pa
         start_server(settings)
         vllm.start()
         first = {t: chat(vllm.base_url, long_conversation(900, t)) for t in topics}
-        time.sleep(3.0)
-        status = adapter_status(settings)
+        # every full chunk of the six prompts answered by the adapter (written or refused)
+        chunks = sum((r.prompt_tokens - 1) // 256 for r in first.values())
+        status = wait_for_l2_idle(settings, stores_at_least=chunks)
         assert status["rejected_disk_full"] > 0, status
         root = settings.cache_root
         assert not [p for p in root.iterdir() if ".tmp." in p.name]

@@ -20,7 +20,6 @@ Per transfer mode and tensor-parallel size:
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -30,9 +29,9 @@ import pytest
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving import fault_injection
-from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.helpers import server_env, wait_for_l2_files, wait_until, write_pins
+from kvpersist.testing.processes import kill_server, server_pid
 
 pytestmark = pytest.mark.e2e
 STOP_S = 5.0  # > the 2 s heartbeat's ping timeout; < the 6 s a pickled reply is waited unhealthy
@@ -121,9 +120,7 @@ def killed_mid_retrieve(vllm: VllmProcess, settings: ServerSettings, journal: Pa
 
     wait_until(recovered, timeout=60, interval=0.2)
     stops = journal_events(journal).count("stop")
-    record = check_pid_file(settings.pid_file).record
-    assert record is not None
-    server_pid = record.pid
+    pid = server_pid(settings)
     killer_began = time.monotonic()
 
     killed = threading.Event()
@@ -132,10 +129,10 @@ def killed_mid_retrieve(vllm: VllmProcess, settings: ServerSettings, journal: Pa
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if journal_events(journal).count("stop") > stops:
-                os.kill(server_pid, signal.SIGKILL)
+                assert kill_server(settings) == pid  # SIGKILL; returns once it has exited
                 killed.set()
                 return
-            time.sleep(0.05)
+            time.sleep(0.05)  # poll interval of the journal
 
     killer = threading.Thread(target=kill_when_stopped)
     killer.start()

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.config.server import ServerSettings, load_settings
+from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.demo.tiny_model import WIDE_KV, build_tiny_model
-from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing import slow_disk
 from kvpersist.testing.helpers import clear_l1, pins_for_model, server_env, wait_for_l2_files
+from kvpersist.testing.processes import server_pid
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(slow_disk.unavailable() is not None,
@@ -28,12 +28,6 @@ RATE = 5 << 20  # bytes per second the server may read from the cache's device
 DEADLINE_S = 5.0  # the plain lookup deadline (KVP_LOOKUP_TIMEOUT_S's default)
 REQUEST_TIMEOUT = 600.0
 HITS = "vllm:external_prefix_cache_hits_total"
-
-
-def server_pid(settings: ServerSettings) -> int:
-    record = check_pid_file(settings.pid_file).record
-    assert record is not None
-    return record.pid
 
 
 def test_a_progressing_restore_is_waited_for_a_stalled_one_is_not(tmp_path: Path) -> None:

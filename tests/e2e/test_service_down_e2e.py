@@ -9,8 +9,6 @@ the connector dropped stores to a server its heartbeat knows is down, such a req
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -18,19 +16,18 @@ import pytest
 
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
-from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import start_server, stop_server
-from kvpersist.testing.helpers import TINY_PINS
+from kvpersist.testing.helpers import TINY_PINS, wait_until
+from kvpersist.testing.processes import kill_server
 
 pytestmark = pytest.mark.e2e
 LOOKUP_DEADLINE_S = 5.0
 RESUME_BOUND_S = 45.0  # the first request after the server returns (re-registration included)
-
-
-def kill_server(s: ServerSettings) -> None:
-    record = check_pid_file(s.pid_file).record
-    assert record is not None
-    os.kill(record.pid, signal.SIGKILL)
+# LMCache's lines in vLLM's log: a heartbeat (the scheduler's, the one worker's) healthy again,
+# and the worker's KV caches registered with the returned server.
+RESUMED = "resuming normal operation"  # "LMCache server is healthy again — ..."
+REREGISTERED = "Finished re-registering KV caches after server recovery"
+HEARTBEATS = 2  # the scheduler's and the worker's (one worker: no tensor parallelism)
 
 
 def files(root: Path) -> set[str]:
@@ -78,8 +75,15 @@ def test_cache_service_down_and_process_crashes(tiny_model: Path, tmp_path: Path
                           reason="server_down") >= 1
 
         # 2. The server comes back: caching resumes without restarting vLLM.
+        def log_count(line: str) -> int:
+            return vllm.log_path.read_text(errors="replace").count(line)
+
+        resumed, reregistered = log_count(RESUMED), log_count(REREGISTERED)
         start_server(settings)
-        time.sleep(6.0)  # heartbeat (2 s) notices, the worker re-registers its KV caches
+        # the heartbeats (2 s) notice, the worker re-registers its KV caches
+        wait_until(lambda: log_count(REREGISTERED) > reregistered
+                   and log_count(RESUMED) >= resumed + HEARTBEATS, timeout=120,
+                   message="vLLM's heartbeats did not recover and re-register")
         before = files(root)
         began = time.monotonic()
         chat(vllm.base_url, long_conversation(900, "topic D"), timeout=120)
@@ -96,8 +100,7 @@ def test_cache_service_down_and_process_crashes(tiny_model: Path, tmp_path: Path
 
         # 4. SIGKILL both: the restart is clean (stale pid file replaced, index rebuilt).
         vllm.kill()
-        kill_server(settings)
-        time.sleep(1.0)
+        kill_server(settings)  # returns once the server has exited
         start_server(settings)
 
         # 5. vLLM started while the server is down starts and serves without the cache.

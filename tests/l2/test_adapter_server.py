@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +15,6 @@ from kvpersist.demo.stack import free_port
 from kvpersist.l2.format import HEADER_SIZE
 from kvpersist.l2.layout import QUARANTINE_DIR, format_name, parse_name
 from kvpersist.serving import http
-from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import (
     ServerError,
     server_command,
@@ -32,9 +29,11 @@ from kvpersist.testing.helpers import (
     kvpersist_settings,
     l2_files,
     wait_for_l2_files,
+    wait_for_l2_idle,
     wait_until,
 )
 from kvpersist.testing.lmcache_bench import BenchDriver
+from kvpersist.testing.processes import kill_server
 
 pytestmark = pytest.mark.integration
 MODEL_A = "org/model/kvp-" + "a" * 32
@@ -83,10 +82,7 @@ def test_data_survives_sigkill(settings: ServerSettings) -> None:
     d = driver(settings)
     sums = store_and_wait(d, settings.cache_root, 2)
     d.close()
-    pid = check_pid_file(settings.pid_file).record
-    assert pid is not None
-    os.kill(pid.pid, signal.SIGKILL)
-    time.sleep(1.0)
+    kill_server(settings)  # SIGKILL; returns once the server has exited
     start_server(settings)  # detects and replaces the stale pid file
     d = driver(settings)
     trip = d.lookup_and_retrieve(2, sums)
@@ -174,8 +170,9 @@ def test_accounting_cap_and_eviction(tmp_path: Path) -> None:
             d.store(10 + seq)
             for _ in range(10):
                 peak = max(peak, disk_bytes(s.cache_root))
-                time.sleep(0.2)
-        time.sleep(3.0)
+                time.sleep(0.2)  # the sampling interval of the peak while stores land
+        # every store answered (8 sequences of 4 chunks), none in flight, eviction done
+        wait_for_l2_idle(s, stores_at_least=8 * 4)
         disk = sum(p.stat().st_size for p in s.cache_root.glob("*.kvp"))
         status = adapter_status(s)
         assert peak <= cap, "the hard cap was exceeded on disk"

@@ -3,8 +3,6 @@ crash during writes, disk full, interrupted eviction; and the server's security 
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -14,12 +12,18 @@ from kvpersist.config.server import ServerSettings
 from kvpersist.l2.files import verify_file
 from kvpersist.l2.format import HEADER_SIZE
 from kvpersist.serving import http
-from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.crash_cycles import run_cycles
 from kvpersist.testing.helpers import adapter_status as adapter
-from kvpersist.testing.helpers import clear_l1, kvpersist_settings, tcp_listeners
+from kvpersist.testing.helpers import (
+    clear_l1,
+    kvpersist_settings,
+    tcp_listeners,
+    wait_for_l2_idle,
+    wait_until,
+)
 from kvpersist.testing.lmcache_bench import BenchDriver
+from kvpersist.testing.processes import kill_server, server_pid
 
 pytestmark = pytest.mark.integration
 MODEL = "org/model/kvp-" + "f" * 32
@@ -45,8 +49,7 @@ def test_disk_full_rejects_stores_and_resumes(small_fs: Path) -> None:
         d = BenchDriver(s.request_url, s.http_url, MODEL)
         for seq in range(4):  # 16 chunks of 260 KiB ≫ 3 MiB
             d.store(seq)
-        time.sleep(3.0)
-        status = adapter(s)
+        status = wait_for_l2_idle(s, stores_at_least=4 * 4)  # each one written or refused
         assert status["rejected_disk_full"] > 0
         assert not [p for p in s.cache_root.iterdir() if ".tmp." in p.name]
         for path in s.cache_root.glob("*.kvp"):
@@ -64,8 +67,8 @@ def test_disk_full_rejects_stores_and_resumes(small_fs: Path) -> None:
         assert resp.ok, resp
         stored_before = adapter(s)["stores"]
         d.store(9)
-        time.sleep(2.0)
-        assert adapter(s)["stores"] > stored_before, "stores did not resume after freeing space"
+        wait_until(lambda: adapter(s)["stores"] > stored_before,
+                   message="stores did not resume after freeing space")
         d.close()
     finally:
         stop_server(s)
@@ -81,20 +84,15 @@ def test_kill_during_eviction_restarts_clean(tmp_path: Path) -> None:
         sums = {seq: d.checksums(seq) for seq in range(6)}
         for seq in range(6):  # 24 chunks into a 12-chunk budget: eviction runs repeatedly
             d.store(seq)
-            time.sleep(0.1)
+            time.sleep(0.1)  # pacing: the stores spread over the eviction passes
         deadline = time.monotonic() + 30
         while adapter(s)["evicted"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        record = check_pid_file(s.pid_file).record
-        assert record is not None
-        os.kill(record.pid, signal.SIGKILL)  # while eviction is (or was just) deleting
-        time.sleep(0.5)
+            time.sleep(0.05)  # poll interval (the kill goes ahead after 30 s regardless)
+        kill_server(s)  # SIGKILL while eviction is (or was just) deleting; waits for the exit
         start_server(s)
-        for _ in range(100):
-            status = adapter(s)
-            if status["scan_done"]:
-                break
-            time.sleep(0.1)
+        wait_until(lambda: adapter(s)["scan_done"], interval=0.1,
+                   message="the start-up scan did not finish")
+        status = adapter(s)
         disk = sum(p.stat().st_size for p in s.cache_root.glob("*.kvp"))
         assert status["used_bytes"] == disk <= int(float(budget_gb) * 1024**3)
         assert not [p for p in s.cache_root.iterdir() if ".tmp." in p.name]
@@ -111,7 +109,7 @@ def test_security_defaults(settings: ServerSettings) -> None:
     start_server(settings)
     assert (settings.cache_root.stat().st_mode & 0o777) == 0o700
     assert (settings.socket_dir.stat().st_mode & 0o777) == 0o700
-    pid = check_pid_file(settings.pid_file).record.pid  # type: ignore[union-attr]
+    pid = server_pid(settings)
     assert tcp_listeners(pid) == [], "the server listens on TCP by default"
     for method in ("GET", "POST"):
         code = http.request(method, settings.http_url + "/run_script", timeout=10,

@@ -27,16 +27,11 @@ import pytest
 
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.serving import http
-from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing import foreign_client
-from kvpersist.testing.helpers import (
-    clear_l1,
-    server_env,
-    tcp_listeners,
-    wait_for_l2_files,
-)
+from kvpersist.testing.helpers import clear_l1, server_env, tcp_listeners, wait_for_l2_files
 from kvpersist.testing.lmcache_bench import BenchDriver
+from kvpersist.testing.processes import server_pid
 
 pytestmark = pytest.mark.integration
 
@@ -90,12 +85,6 @@ def tree_digest(root: Path) -> dict[str, str]:
         if path.is_file() and not path.is_socket() and path.suffix != ".log":
             out[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
-
-
-def server_pid(settings: ServerSettings) -> int:
-    record = check_pid_file(settings.pid_file).record
-    assert record is not None
-    return record.pid
 
 
 @requires_second_account

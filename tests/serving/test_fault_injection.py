@@ -41,7 +41,7 @@ def test_a_held_load_waits_for_its_file_to_go(tmp_path: Path) -> None:
     held = fault_injection._holding(load, hold)
     thread = threading.Thread(target=held, args=(None, 7))
     thread.start()
-    time.sleep(0.3)
+    time.sleep(0.3)  # on purpose, not a condition: a window in which the load must not run
     assert ran == [], "the load ran while its hold file existed"
     released = time.monotonic()
     hold.unlink()

@@ -113,7 +113,9 @@ def test_status_answers_while_the_log_device_is_stalled(tmp_path: Path) -> None:
                 ["sh", "-c", f'echo $$ > {disk.cgroup / "cgroup.procs"} && '
                              f'exec dd if={big} of=/dev/null bs=16M iflag=direct'],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(1.0)  # dd's first 16 MiB read is queued: the device is busy for ~16 s
+            # On purpose, the fault being provoked (the queued read shows in no counter): dd's
+            # first 16 MiB read is queued, the device is busy for ~16 s.
+            time.sleep(1.0)
             before = disk.read_bytes()
             answered = []
             for _ in range(4):

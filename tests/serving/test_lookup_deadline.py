@@ -188,15 +188,15 @@ def test_the_probe_sees_progress_and_its_absence(status_server: tuple[str, dict[
         until = time.monotonic() + 2.0
         while time.monotonic() < until:  # the server reads 1 MB every 0.1 s
             state["read_bytes"] += 1 << 20
-            time.sleep(0.1)
+            time.sleep(0.1)  # pacing of the simulated reads
             assert deadline.verdict("r", healthy=True) is None
-        time.sleep(1.2)  # counters frozen
+        time.sleep(1.2)  # on purpose: counters frozen for longer than stall_s (0.8 s)
         assert "stalled" in str(deadline.verdict("r", healthy=True))
         deadline.end("r")
         deadline.begin("s")
         state["answer"] = False  # a hung server makes no progress either
         state["read_bytes"] += 1
-        time.sleep(1.2)
+        time.sleep(1.2)  # on purpose: longer than stall_s with every probe timing out
         assert "stalled" in str(deadline.verdict("s", healthy=True))
     finally:
         probe.close()

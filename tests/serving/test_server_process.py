@@ -6,13 +6,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from kvpersist.serving.server_process import ServerProcess, listener_of, process
+from kvpersist.testing.helpers import wait_until
 
 LISTEN = ("import socket,sys,time; s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "
           "s.listen(); print('up', flush=True); time.sleep(60)")
+
+
+def proc_state(pid: int) -> str:
+    """The kernel's state letter for ``pid`` (``/proc/<pid>/stat`` field 3; "Z": a zombie)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def unix_url(path: Path) -> str:
@@ -39,7 +44,8 @@ def test_a_zombie_is_gone_and_a_recycled_pid_is_another_process(tmp_path: Path) 
     me = process(child.pid)
     assert me is not None and not me.gone()
     child.kill()
-    time.sleep(0.3)  # killed, not yet reaped: a zombie, whose memory is released
+    # killed, not yet reaped: a zombie, whose memory is released
+    wait_until(lambda: proc_state(child.pid) == "Z", timeout=30, interval=0.05)
     assert me.gone()
     child.wait()
     assert me.gone() and process(child.pid) is None

@@ -19,6 +19,7 @@ from kvpersist.serving.server import start_server
 from kvpersist.serving.transfer_wait import REPLACED, ServerWait, install, uninstall
 from kvpersist.testing.helpers import wait_until
 from kvpersist.testing.lmcache_bench import BenchDriver
+from kvpersist.testing.processes import kill_server
 
 
 class Clock:
@@ -220,9 +221,11 @@ def test_a_store_in_flight_when_the_server_dies_is_given_up_by_the_socket(
         os.kill(record.pid, signal.SIGSTOP)  # the store below cannot be answered
         storing = threading.Thread(target=d.store, args=(2,), daemon=True)
         storing.start()
+        # On purpose, not a condition: a window in which nothing may happen (the wait has no
+        # "waiting" state to observe); the store is sent and its receipt waited for meanwhile.
         time.sleep(1.0)
         assert wait.receipts_abandoned == 0  # a stopped server still listens: waited for
-        os.kill(record.pid, signal.SIGKILL)
+        kill_server(settings)  # SIGKILL (of the stopped server); returns once it has exited
         wait_until(lambda: wait.receipts_abandoned >= 1, timeout=30.0)
         assert wait.last_reason == "nobody listens at the server's socket"
         assert refuses_connections(settings.http_url)

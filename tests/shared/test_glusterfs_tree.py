@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ from kvpersist.testing.helpers import (
     wait_until,
 )
 from kvpersist.testing.lmcache_bench import BenchDriver
+from kvpersist.testing.processes import kill_server, server_pid
 
 from .conftest import MODEL, Nodes
 
@@ -111,7 +111,7 @@ def test_concurrent_stores_of_two_nodes_stay_under_the_trees_budget(
                     total = sum(p.stat().st_size for p in
                                 (nodes["a"].tree / "nodes").glob("*/*.kvp"))
                     peak[0] = max(peak[0], total)
-                time.sleep(0.05)
+                time.sleep(0.05)  # the sampling interval while both nodes fill
 
         threads = [threading.Thread(target=fill, args=(n, f)) for n, f in (("a", 100),
                                                                             ("b", 200))]
@@ -134,7 +134,7 @@ def test_concurrent_stores_of_two_nodes_stay_under_the_trees_budget(
         # runs after them: measure once two readings 2 s apart agree.
         parts, deadline = measure(), time.monotonic() + 60
         while True:
-            time.sleep(2.0)
+            time.sleep(2.0)  # the stability check's interval (the condition is the loop's)
             again = measure()
             if again == parts or time.monotonic() > deadline:
                 break
@@ -207,7 +207,7 @@ def test_a_killed_brick_costs_misses_and_its_files_hit_again_when_back(
         b.close()
         if all(t.hit_chunks == 4 for t in trips.values()) or time.monotonic() > deadline:
             break
-        time.sleep(1.0)  # the shared-tree negative cache and the brick's reconnect
+        time.sleep(1.0)  # retry interval: the shared-tree negative cache, the brick's reconnect
     assert all((t.hit_chunks, t.checksums_match) == (4, True) for t in trips.values())
 
 
@@ -224,11 +224,9 @@ def test_a_node_killed_with_9_its_files_still_serve_and_its_leftovers_are_cleane
     leftover.write_bytes(b"x" * 4096)  # what a writer killed mid-store leaves
     os.utime(leftover, (time.time() - 3600, time.time() - 3600))
     assert root_lock_holder(nodes["a"].cache_root) is not None
-    os.kill(record.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while root_lock_holder(nodes["a"].cache_root) is not None:  # the lock dies with it
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    assert kill_server(nodes["a"]) == record.pid  # SIGKILL; returns once it has exited
+    wait_until(lambda: root_lock_holder(nodes["a"].cache_root) is None, timeout=30,
+               interval=0.2, message="the root lock did not die with its server")
     b = nodes.driver("b")
     trip = b.lookup_and_retrieve(1, sums)
     b.close()
@@ -257,7 +255,7 @@ def test_kvp_admin_from_either_node_sees_the_tree_and_refuses_to_clean_a_live_pa
     assert without_paths(views[0]) == without_paths(views[1])  # the same tree from a and b
     by_node = {x["node_id"]: x for x in views[0]["nodes"]}
     assert by_node["a"]["files"] == 4 and by_node["a"]["live"]
-    assert by_node["a"]["holder"].startswith(f"{check_pid_file(nodes['a'].pid_file).record.pid}@")
+    assert by_node["a"]["holder"].startswith(f"{server_pid(nodes['a'])}@")
     # Node a's part, from node b's side: a live server b cannot reach holds it: refused.
     env = {"KVP_CACHE_ROOT": str(nodes["b"].tree), "KVP_NODE_ID": "a",
            "KVP_SHARED_NODES": "2", "KVP_RUNTIME_DIR": str(nodes["b"].socket_dir / "elsewhere")}
@@ -313,7 +311,7 @@ def test_a_file_torn_or_replaced_through_one_mount_is_never_served_through_the_o
     files[0].write_bytes(first)  # repaired in place by its owner
     os.replace(files[2], files[1])  # chunk 2's valid file under chunk 1's name
     clear_l1(nodes["b"])
-    time.sleep(2.5)  # b's negative cache (2 s) for the keys that missed
+    time.sleep(2.5)  # on purpose, not a condition: b's negative cache (2 s) for the misses
     trip = b.lookup_and_retrieve(1, sums)
     b.close()
     assert trip.checksums_match and trip.retrieved_ok, "wrong bytes were served"

@@ -9,9 +9,7 @@ the checker; the kill lands while the server's write-through to L2 is in progres
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -20,10 +18,10 @@ from dataclasses import dataclass, field
 from ..config.environment import process_env
 from ..config.server import ServerSettings
 from ..l2.files import verify_file
-from ..serving.pidfile import check_pid_file
 from ..serving.server import start_server, stop_server
 from .helpers import adapter_status
 from .lmcache_bench import BenchDriver
+from .processes import kill_server
 
 MODEL = "org/crash/kvp-" + "c" * 32
 WRITER = r"""
@@ -84,15 +82,12 @@ def run_cycles(settings: ServerSettings, cycles: int, *, seqs_per_cycle: int = 1
             if not line:
                 break
             issued += 1
-        time.sleep(rng.uniform(0.0, 0.05))
-        record = check_pid_file(settings.pid_file).record
-        assert record is not None
-        os.kill(record.pid, signal.SIGKILL)
+        time.sleep(rng.uniform(0.0, 0.05))  # a random moment within the stores, on purpose
+        kill_server(settings)  # SIGKILL; returns once the server has exited
         report.kills += 1
         writer.kill()
         writer.wait(timeout=30)
         stored_upto += seqs_per_cycle
-        time.sleep(0.5)
 
         start_server(settings)  # stale pid file replaced; scan removes temp files
         status = _wait_scan(settings)

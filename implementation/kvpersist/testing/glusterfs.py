@@ -101,6 +101,8 @@ class GlusterVolume:
         """SIGKILL one brick's server, as a failed disk or node would stop it."""
         pid = self.brick_pids()[brick]
         os.kill(pid, signal.SIGKILL)
+        # Until it is reaped (by init; not our child), not merely gone (processes.wait_gone):
+        # seen, a ``volume start force`` while it was still a zombie left the brick down.
         deadline = time.monotonic() + 10
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -1,11 +1,12 @@
-"""Helpers for tests and benchmarks that run real processes: L2 files, pins, adapter status."""
+"""Helpers for tests and benchmarks that run real processes: L2 files, pins, adapter status,
+waits on conditions (ending processes: :mod:`kvpersist.testing.processes`)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,12 @@ def l2_files(root: Path, suffixes: tuple[str, ...] = (".bin", ".kvp")) -> dict[s
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 60.0,
-               interval: float = 0.5) -> None:
-    """Poll ``predicate`` until it is true; AssertionError after ``timeout`` seconds."""
+               interval: float = 0.5, *, message: str = "condition not reached") -> None:
+    """Poll ``predicate`` until it is true; AssertionError (``message``) after ``timeout``
+    seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"condition not reached within {timeout:.0f}s"
+        assert time.monotonic() < deadline, f"{message} within {timeout:.0f}s"
         time.sleep(interval)
 
 
@@ -64,6 +66,47 @@ def adapter_status(settings: ServerSettings) -> dict[str, Any]:
         "l2_adapters"]
     assert len(adapters) == 1 and adapters[0]["type"] == "KvPersistL2Adapter", adapters
     return dict(adapters[0])
+
+
+#: The kvpersist adapter's counters of answered stores: each put ends in exactly one of them.
+STORE_OUTCOMES = ("stores", "store_exists", "store_exists_elsewhere", "rejected_capacity",
+                  "rejected_scanning", "rejected_disk_full", "store_errors")
+
+
+def l2_store_answers(status: Mapping[str, Any]) -> int:
+    """Stores the adapter has answered since the server started (written, already there,
+    refused or failed), from its ``report_status`` (:func:`adapter_status`)."""
+    return sum(int(status[name]) for name in STORE_OUTCOMES)
+
+
+def wait_for_l2_idle(settings: ServerSettings, stores_at_least: int = 0,
+                     timeout: float = 120.0) -> dict[str, Any]:
+    """Wait until the server's L2 tier is quiet and return the adapter's status then.
+
+    Quiet: the adapter has answered at least ``stores_at_least`` stores
+    (:func:`l2_store_answers`) and holds no reservation (no write in progress); LMCache has no
+    key queued for L2 and no L2 store in flight; L2 usage is below LMCache's eviction watermark
+    (its eviction loop has nothing left to do); and all of this read the same on two polls
+    0.5 s apart, so an eviction pass or a store that was just arriving has finished."""
+    deadline = time.monotonic() + timeout
+    last: tuple[int, ...] | None = None
+    while True:
+        manager = http.get(settings.http_url + "/status", timeout=10).json()["storage_manager"]
+        (adapter,) = [a for a in manager["l2_adapters"] if a["type"] == "KvPersistL2Adapter"]
+        quiet = (l2_store_answers(adapter) >= stores_at_least and adapter["reserved_bytes"] == 0
+                 and all(c["pending_keys_count"] == 0 and c["in_flight_task_count"] == 0
+                         for c in manager["store_controllers"].values())
+                 and all(e["current_usage"] < e["trigger_watermark"]
+                         for e in manager["l2_eviction_controller"]["adapters"]))
+        now = (l2_store_answers(adapter), int(adapter["evicted"]), int(adapter["used_bytes"]),
+               int(adapter["files"]))
+        if quiet and now == last:
+            return dict(adapter)
+        last = now if quiet else None
+        assert time.monotonic() < deadline, (
+            f"L2 not idle within {timeout:.0f}s (wanted ≥{stores_at_least} answered stores): "
+            f"{adapter}")
+        time.sleep(0.5)
 
 
 def clear_l1(settings: ServerSettings) -> None:
