@@ -93,9 +93,20 @@ def process_start_ticks(pid: int) -> int | None:
     # Field 2 (comm) may contain spaces and parentheses; fields after the last ')' are fixed.
     rest = stat.rsplit(")", 1)[1].split()
     # rest[0] is field 3 (state); start time is field 22 → rest[19].
-    if rest[0] == "Z":  # a zombie is gone for our purposes
-        return None
+    if rest[0] in ("Z", "X") and _only_the_leader_left(pid):
+        return None  # exited with every thread: its memory and descriptors are released
     return int(rest[19])
+
+
+def _only_the_leader_left(pid: int) -> bool:
+    """Whether the zombie thread-group leader ``pid`` is all that is left of its process.
+    After SIGKILL the leader is a zombie at once while the other threads are still exiting,
+    and the process's memory and file descriptors (sockets, the root lock) are released only
+    when the last of them has (seen: a killed server's socket still accepting)."""
+    try:
+        return os.listdir(f"/proc/{pid}/task") == [str(pid)]
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return True
 
 
 def write_pid_file(path: Path, record: PidRecord) -> None:

@@ -14,8 +14,9 @@ Invariants
   None where the kernel cannot say: a TCP URL, nobody listening, another pid namespace
   (``SO_PEERCRED`` reports pid 0 there).
 * :meth:`ServerProcess.gone` is True only when that process can no longer touch memory: its
-  ``/proc`` entry is missing, belongs to a later process, or is a zombie (an exited process
-  whose memory and file descriptors are released; it waits only to be reaped), as
+  ``/proc`` entry is missing, belongs to a later process, or is a zombie leader with no other
+  thread left (then its memory and file descriptors are released, and it waits only to be
+  reaped; a zombie leader whose other threads still exit is not gone), as
   :func:`kvpersist.serving.pidfile.process_start_ticks` reads it.
 * Nothing here sends a byte to the server; a connection is opened and closed at once.
 """
