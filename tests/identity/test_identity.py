@@ -22,6 +22,7 @@ from kvpersist.identity.sources import (
     chat_template_digest,
     from_model_folder,
     hf_snapshot_origin,
+    resolved_kv_cache_dtype,
 )
 
 BASE: dict[str, object] = {
@@ -227,3 +228,13 @@ def test_from_model_folder_reads_geometry_and_template(tmp_path: Path) -> None:
 def test_from_model_folder_without_config_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"config\.json"):
         from_model_folder(tmp_path)
+
+
+def test_one_kv_cache_dtype_rule() -> None:
+    """vLLM's: ``auto`` (or nothing) is the model's dtype; an explicit one wins; unknown stays
+    unknown (the identity then lacks the field)."""
+    assert resolved_kv_cache_dtype("auto", "bfloat16") == "bfloat16"
+    assert resolved_kv_cache_dtype(None, "float32") == "float32"
+    assert resolved_kv_cache_dtype("fp8_e4m3", "bfloat16") == "fp8_e4m3"
+    assert resolved_kv_cache_dtype("auto", None) is None
+    assert resolved_kv_cache_dtype("auto", "auto") is None

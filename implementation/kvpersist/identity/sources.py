@@ -121,6 +121,15 @@ def geometry_from_hf_config(cfg: Mapping[str, Any]) -> dict[str, object]:
     return out
 
 
+def resolved_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: str | None) -> str | None:
+    """vLLM's rule, the one place kvpersist states it: a KV-cache dtype of ``auto`` (or none
+    given) is the model's dtype; None when that is unknown or ``auto`` too (the identity then
+    lacks the field, and caching stays off)."""
+    if kv_cache_dtype not in (None, "auto"):
+        return kv_cache_dtype
+    return model_dtype if model_dtype not in (None, "auto") else None
+
+
 def from_model_folder(folder: str | Path, *, kv_cache_dtype: str = "auto") -> dict[str, object]:
     """Fields readable from a local HF-style model folder.
 
@@ -136,11 +145,10 @@ def from_model_folder(folder: str | Path, *, kv_cache_dtype: str = "auto") -> di
         raise ValueError(f"cannot read model config {cfg_path}: {exc}") from None
     out = geometry_from_hf_config(cfg)
     model_dtype = out.pop("_model_dtype", None)
-    if kv_cache_dtype == "auto":
-        if model_dtype is not None:
-            out["kv_cache_dtype"] = model_dtype
-    else:
-        out["kv_cache_dtype"] = kv_cache_dtype
+    resolved = resolved_kv_cache_dtype(kv_cache_dtype,
+                                       None if model_dtype is None else str(model_dtype))
+    if resolved is not None:
+        out["kv_cache_dtype"] = resolved
     origin = hf_snapshot_origin(path)
     if origin is not None:
         out["model_id"], out["model_revision"] = origin
@@ -164,9 +172,7 @@ def from_vllm_config(vllm_config: Any, *, chat_template_file: str | None = None)
     cc = vllm_config.cache_config
     pc = vllm_config.parallel_config
     out: dict[str, object] = {
-        "kv_cache_dtype": (
-            _resolved_dtype_name(mc.dtype) if cc.cache_dtype == "auto" else cc.cache_dtype
-        ),
+        "kv_cache_dtype": resolved_kv_cache_dtype(cc.cache_dtype, _resolved_dtype_name(mc.dtype)),
         "block_size": cc.block_size,
         "num_kv_heads": mc.get_total_num_kv_heads(),
         "head_size": mc.get_head_size(),

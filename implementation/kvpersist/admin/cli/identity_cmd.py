@@ -25,6 +25,7 @@ from ...identity.sources import (
     build_identity,
     chat_template_digest,
     from_model_folder,
+    resolved_kv_cache_dtype,
 )
 from ..pins_writer import (
     IdentityFlags,
@@ -59,15 +60,14 @@ class CliResolution:
 
 
 def _kv_cache_dtype(args: argparse.Namespace, flags: IdentityFlags) -> str:
-    """vLLM's rule: ``--kv-cache-dtype auto`` is the model dtype (``--dtype``, else the
-    weights' dtype from config.json)."""
-    if args.kv_cache_dtype not in (None, "auto"):
-        return str(args.kv_cache_dtype)
-    if flags.kv_cache_dtype not in (None, "auto"):
-        return str(flags.kv_cache_dtype)
-    if flags.dtype not in (None, "auto"):
-        return str(flags.dtype)
-    return "auto"
+    """The KV-cache dtype the flags give (``--kv-cache-dtype`` here, else the recipe's), by
+    :func:`~kvpersist.identity.sources.resolved_kv_cache_dtype` against ``--dtype``; ``auto``
+    when neither says (then the weights' dtype from config.json decides)."""
+    given = args.kv_cache_dtype if args.kv_cache_dtype not in (None, "auto") \
+        else flags.kv_cache_dtype
+    model = None if flags.dtype is None else str(flags.dtype)
+    resolved = resolved_kv_cache_dtype(None if given is None else str(given), model)
+    return resolved or "auto"
 
 
 def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
