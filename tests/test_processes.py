@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvpersist.config.server import load_settings
-from kvpersist.serving.pidfile import PidRecord, process_start_ticks, write_pid_file
-from kvpersist.testing.processes import kill_server, wait_gone
+from kvpersist.serving.pidfile import PidRecord, process_start_ticks, wait_exited, write_pid_file
+from kvpersist.testing.processes import kill_server
 
 # A listener with busy threads: after SIGKILL its leader is a zombie before the others exit.
 BUSY = ("import socket, sys, threading\n"
@@ -48,7 +48,7 @@ def test_a_killed_process_is_gone_only_when_its_socket_is_closed(tmp_path: Path)
         path = tmp_path / f"s{i}.sock"
         child, ticks = busy_listener(path)
         os.kill(child.pid, 9)
-        assert wait_gone(child.pid, 30.0, ticks=ticks)
+        assert wait_exited(child.pid, 30.0, ticks=ticks)
         assert refuses(path), "gone, but its listening socket still accepts"
         assert not Path(f"/proc/{child.pid}").exists()  # our child: reaped
 
@@ -75,7 +75,7 @@ def test_kill_server_signals_the_recorded_process_and_waits(tmp_path: Path) -> N
 def test_a_live_process_times_out_untouched(tmp_path: Path) -> None:
     child, ticks = busy_listener(tmp_path / "s.sock")
     try:
-        assert not wait_gone(child.pid, 0.2, ticks=ticks)
+        assert not wait_exited(child.pid, 0.2, ticks=ticks)
         assert child.poll() is None
     finally:
         child.kill()

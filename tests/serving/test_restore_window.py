@@ -13,12 +13,12 @@ from kvpersist.serving.restore_window import (
     Segment,
     ServedPrefixes,
     WindowPlan,
-    failed_blocks_after,
     pick_evictions,
     plan_lookup_window,
     promised_hit,
     promised_prefix,
     retrieve_segments,
+    served_blocks,
     window_columns,
 )
 
@@ -134,11 +134,11 @@ def test_a_failed_retrieve_records_what_it_served_and_the_next_retrieve_clears_i
 
 def test_the_blocks_of_served_chunks_are_not_load_errors() -> None:
     blocks = list(range(100, 112))  # 6 chunks of 2 blocks
-    assert failed_blocks_after(blocks, 0, 2) == blocks
-    assert failed_blocks_after(blocks, 4, 2) == [108, 109, 110, 111]
-    assert failed_blocks_after(blocks, 6, 2) == []
+    assert served_blocks(blocks, 0, 2) == []
+    assert served_blocks(blocks, 4, 2) == blocks[:8]  # 108..111 are not served
+    assert served_blocks(blocks, 6, 2) == blocks
     with pytest.raises(ValueError):
-        failed_blocks_after(blocks, 1, 0)
+        served_blocks(blocks, 1, 0)
 
 
 def test_records_never_consumed_are_bounded_oldest_first() -> None:

@@ -174,8 +174,9 @@ class LoadFence:
         orphans = self._orphans(flight, healthy) if flight else set()
         dropped = len(adapter._dropped_retrieves)
         failed_before = set(adapter._failed_request_ids)
-        retrieving = {rid: list(blocks) for rid, (_f, blocks)
-                      in list(adapter.retrieve_futures.items())}
+        # block lists by reference, only where a failed load may keep its served part
+        retrieving = ({rid: blocks for rid, (_f, blocks) in list(adapter.retrieve_futures.items())}
+                      if self._keeper is not None else {})
         if healthy and not orphans:
             result = original(adapter, *args)
             self._count_failed(failed_before, dropped)

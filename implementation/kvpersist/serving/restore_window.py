@@ -24,12 +24,13 @@ Invariants
   handing over its first ``k`` columns records ``k`` for its (request, worker instance) before
   its failed reply is sent; every retrieve clears the record of its pair first, so a record
   always describes the latest retrieve of that pair.  The worker keeps the blocks of those
-  ``k`` columns out of the load errors (:func:`failed_blocks_after`): vLLM recomputes from the
+  ``k`` columns out of the load errors (:func:`served_blocks`): vLLM recomputes from the
   failed chunk on, never a hole and never the whole prefix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -173,15 +174,10 @@ class RestoreStats:
             self.cut_short_tokens[reason] = self.cut_short_tokens.get(reason, 0) + tokens
 
     def snapshot(self) -> dict[str, object]:
-        with self._lock:
-            return {"streamed_restores": self.streamed_restores,
-                    "streamed_columns": self.streamed_columns,
-                    "streamed_bytes": self.streamed_bytes,
-                    "evicted_objects": self.evicted_objects,
-                    "evicted_bytes": self.evicted_bytes,
-                    "released_abandoned": self.released_abandoned,
-                    "cut_short": dict(self.cut_short),
-                    "cut_short_tokens": dict(self.cut_short_tokens)}
+        """Every counter (the per-reason ones copied), as ``StoreStats.as_dict`` reads its."""
+        with self._lock:  # the per-reason dicts are copied under the lock that guards them
+            return {f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
+                    for f in dataclasses.fields(self) if not f.name.startswith("_")}
 
 
 class Bounded(OrderedDict[_K, _V]):
@@ -224,10 +220,10 @@ class ServedPrefixes:
             return self._records.get((request_id, instance_id))
 
 
-def failed_blocks_after(block_ids: Sequence[int], served_columns: int,
-                        blocks_per_column: int) -> list[int]:
+def served_blocks(block_ids: Sequence[int], served_columns: int,
+                  blocks_per_column: int) -> list[int]:
     """The blocks of a single-group retrieve (``block_ids`` from its first column, in token
-    order) that were not handed over when its first ``served_columns`` columns were."""
+    order) that its first ``served_columns`` columns were handed over into; the rest were not."""
     if served_columns < 0 or blocks_per_column <= 0:
         raise ValueError("served_columns must be >= 0 and blocks_per_column > 0")
-    return list(block_ids[served_columns * blocks_per_column:])
+    return list(block_ids[:served_columns * blocks_per_column])

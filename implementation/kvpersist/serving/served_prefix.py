@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import http
-from .restore_window import SERVED_ROUTE, failed_blocks_after
+from .restore_window import SERVED_ROUTE, served_blocks
 
 logger = logging.getLogger("vllm.kvpersist.served_prefix")  # inherits vLLM's log handler
 ASK_TIMEOUT_S = 2.0
@@ -75,10 +75,8 @@ class ServedPrefixKeeper:
             served = self.served_chunks(request_id)
             if not served or served * per_chunk >= len(blocks):
                 continue
-            kept = blocks[:served * per_chunk]
-            still_failed = failed_blocks_after(blocks, served, per_chunk)
-            adapter.error_block_ids.difference_update(kept)
-            adapter.error_block_ids.update(still_failed)
+            # LMCache's get_finished put every block in; the blocks after these stay errors
+            adapter.error_block_ids.difference_update(served_blocks(blocks, served, per_chunk))
             self.kept_chunks += served
             logger.warning("kvpersist: request %s: the restore failed after %d chunk(s) were "
                            "written; vLLM keeps those and recomputes from the failed chunk on",

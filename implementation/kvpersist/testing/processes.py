@@ -22,14 +22,6 @@ from ..config.server import ServerSettings
 from ..serving.pidfile import check_pid_file, wait_exited
 
 
-def wait_gone(pid: int, timeout: float, *, ticks: int | None = None,
-              interval: float = 0.02) -> bool:
-    """Wait until process ``pid`` (started at ``ticks``; default: whichever runs now) has
-    exited with every thread (:func:`kvpersist.serving.pidfile.wait_exited`, which reaps our
-    children); False on timeout.  Never signals anything."""
-    return wait_exited(pid, timeout, ticks=ticks, interval_s=interval)
-
-
 def server_pid(settings: ServerSettings) -> int:
     """The pid of the server that ``settings``' pid file records, asserted to be running (the
     very process recorded: pid and start time)."""
@@ -52,6 +44,6 @@ def kill_server(settings: ServerSettings, sig: int = signal.SIGKILL,
     assert status.running and status.record is not None, status.describe(settings.pid_file)
     record = status.record
     os.kill(record.pid, sig)
-    assert wait_gone(record.pid, timeout, ticks=record.start_ticks), (
+    assert wait_exited(record.pid, timeout, ticks=record.start_ticks), (
         f"server pid {record.pid} still runs {timeout:.0f}s after signal {sig}")
     return record.pid
