@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.l2.format import HEADER_SIZE
+from kvpersist.l2.layout import KeyFields
 from kvpersist.l2.lock import root_lock_holder
 from kvpersist.l2.shared_tree import SharedTree
 from kvpersist.l2.store import KvFileStore, RootLockedError
@@ -148,3 +149,24 @@ def test_other_parts_are_probed_only_up_to_the_first_key_nobody_has(tmp_path: Pa
     # key 30: found in the first other part (1 stat), key 31 in the second (2), key 32 in none
     # (3); keys 33-34 are not probed; key 35 is this node's own (no stat).
     assert probe.shared.status()["fs_ops"] - before == 1 + 2 + 3
+
+
+def test_the_first_gap_is_per_rank_row_so_one_rank_s_new_tail_hides_no_other_rank(
+        tmp_path: Path) -> None:
+    """At TP=2 LMCache asks rank 0's row, then rank 1's, in one flattened list.  A follow-up
+    prompt's new tail is a gap at the end of rank 0's row; rank 1's stored prefix after it must
+    still be probed and found (it was reported missing: 0 cross-node hits at TP >= 2)."""
+    writer, reader = node(tmp_path, "a"), node(tmp_path, "b")
+
+    def ranked(i: int, rank: int) -> KeyFields:
+        return key(i)._replace(kv_rank=0x02000200 + rank * 0x00010001)
+
+    for rank in (0, 1):
+        for i in (40, 41):
+            assert writer.put(ranked(i, rank), payload(i)) == "stored"
+    request = [ranked(i, rank) for rank in (0, 1) for i in (40, 41, 42)]
+    assert reader.contains_many(request) == [True, True, False, True, True, False]
+    # another object group is its own row too
+    grouped = [ranked(40, 0), ranked(42, 0), ranked(40, 0)._replace(object_group_id=1)]
+    writer.put(grouped[2], payload(40))
+    assert reader.contains_many(grouped) == [True, False, True]

@@ -55,6 +55,15 @@ class KeyFields(NamedTuple):
         return split_model_name(self.model_name)[0]
 
 
+Row = tuple[str, int, int, str]
+
+
+def row_of(key: KeyFields) -> Row:
+    """The row ``key`` belongs to: every field but the chunk hash.  One rank of one object
+    group of one model and salt; a request's hits are a prefix per row, not across rows."""
+    return key.model_name, key.kv_rank, key.object_group_id, key.cache_salt
+
+
 @functools.lru_cache(maxsize=65536)
 def split_model_name(model_name: str) -> tuple[str, str]:
     """LMCache model name → (kvpersist namespace or '', model id)."""

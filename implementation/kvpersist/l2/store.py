@@ -56,7 +56,15 @@ from .files import (
 )
 from .format import HEADER_SIZE
 from .index import KeyIndex, KeysCallback, Reservation
-from .layout import QUARANTINE_DIR, FormatError, KeyFields, parse_name, shard_path_parts
+from .layout import (
+    QUARANTINE_DIR,
+    FormatError,
+    KeyFields,
+    Row,
+    parse_name,
+    row_of,
+    shard_path_parts,
+)
 from .lock import RootLockedError, take_root_lock
 from .scan import scan_root
 from .shared_tree import SharedTree
@@ -240,19 +248,22 @@ class KvFileStore:
 
     def contains_many(self, keys: list[KeyFields]) -> list[bool]:
         """:meth:`contains` for a request's keys in order, except that the other nodes' parts
-        are asked only up to the first key none of them has: a request's hits are used as a
-        prefix (LMCache's default fetching policy), so probing past a gap would cost N-1
-        ``stat`` calls per key for nothing (a new 500-chunk conversation on 64 nodes: 31,500).
-        Keys of this node's own part are reported whatever their position."""
+        are asked only up to the first key none of them has, *per row*: a request's hits are
+        used as a prefix (LMCache's default fetching policy), so probing past a gap would cost
+        N-1 ``stat`` calls per key for nothing (a new 500-chunk conversation on 64 nodes:
+        31,500).  A row is every key field but the chunk hash (:func:`row_of`): at TP or PP
+        above 1, or with several object groups, LMCache flattens one prefix per rank into one
+        list, and a gap in rank 0's row says nothing about rank 1's.  Keys of this node's own
+        part are reported whatever their position."""
         found: list[bool] = []
-        probing = self.shared is not None
+        gap_rows: set[Row] = set()
         for key in keys:
             if self._contains_here(key):
                 found.append(True)
-            elif probing:
-                assert self.shared is not None
+            elif self.shared is not None and row_of(key) not in gap_rows:
                 hit = self.shared.find(key) is not None
-                probing = hit
+                if not hit:
+                    gap_rows.add(row_of(key))
                 found.append(hit)
             else:
                 found.append(False)
