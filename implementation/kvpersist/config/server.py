@@ -60,6 +60,7 @@ DEFAULTS: dict[str, str] = {
     "KVP_WALKER": "auto",
     "KVP_WALK_THREADS": "0",
     "KVP_L2_DIRECT_IO": "false",
+    "KVP_SERVER_NICE": "0",
 }
 
 #: ``unix``: sockets in a private directory (the default); ``tcp``: open loopback ports (opt-in).
@@ -96,6 +97,15 @@ def parse_env_file(path: Path) -> dict[str, str]:
 
 #: ``KVP_RESTORE_WINDOW_GB=auto``: an eighth of L1, at most this many GB.
 AUTO_WINDOW_MAX_GB = 2.0
+
+
+def _nice(raw: str) -> int:
+    """``KVP_SERVER_NICE``: a nice value, -20 (first) to 19 (last); 0 leaves it as inherited."""
+    value = values.integer("KVP_SERVER_NICE", raw, minimum=-20)
+    if value > 19:
+        raise SettingsError(f"KVP_SERVER_NICE={raw!r} must be at most 19 (nice values are "
+                            "-20..19; negative ones run the server ahead of vLLM's workers)")
+    return value
 
 
 def restore_window_gb(raw: str, l1_size_gb: float) -> float:
@@ -145,6 +155,8 @@ class ServerSettings:
     tree_root: Path | None = None
     #: L2 bytes one streamed restore loads into L1 per step (0: restores do not stream).
     restore_window_gb: float = 0.0
+    #: The server's nice value (0: inherited); :mod:`kvpersist.serving.cpu_priority`.
+    server_nice: int = 0
 
     @property
     def shared(self) -> bool:
@@ -275,6 +287,7 @@ def load_settings(
                                             values.positive_float("KVP_L1_SIZE_GB",
                                                                   merged["KVP_L1_SIZE_GB"])),
         tree_root=tree,
+        server_nice=_nice(merged["KVP_SERVER_NICE"]),
     )
     _check_shared(settings)
     _check_access(settings)

@@ -41,7 +41,7 @@ from typing import Any
 
 from ..config.adapters import refuse_lossy_serde
 from ..config.values import SettingsError
-from . import fault_injection
+from . import cpu_priority, fault_injection
 
 
 class SocketPathError(RuntimeError):
@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="octal mode of both socket files (default 0600; 0660 with a group)")
     parser.add_argument("--socket-group", type=int, default=None,
                         help="gid given to both socket files")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="the server's nice value, -20..19, set before LMCache starts a "
+                             "thread (KVP_SERVER_NICE; see kvpersist.serving.cpu_priority)")
     parser.add_argument("--restore-window-gb", type=float, default=None,
                         help="install kvpersist's L1 window (eviction of clean L1 objects on "
                              "demand, restores larger than L1 streamed in windows of this many "
@@ -182,6 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.request_socket is None) != (args.http_socket is None):
         parser.error("--request-socket and --http-socket go together")
     os.umask(0o077)
+    try:
+        cpu_priority.apply_nice(args.nice)
+    except cpu_priority.PriorityError as exc:
+        print(f"kvpersist: {exc}", file=sys.stderr)
+        return 2
     try:
         for i, value in enumerate(adapter_arguments(lmcache_args)):
             refuse_lossy_serde(value, f"--l2-adapter #{i + 1}")

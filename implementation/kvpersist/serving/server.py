@@ -89,6 +89,8 @@ def lmcache_python() -> str:
 def _entry(settings: ServerSettings, python: str | None) -> list[str]:
     cmd = [python or lmcache_python(), *POLICY_ENTRY,
            "--restore-window-gb", _num(settings.restore_window_gb)]
+    if settings.server_nice:
+        cmd += ["--nice", str(settings.server_nice)]
     if settings.unix_sockets:
         group = settings.access_gid
         cmd += ["--request-socket", str(settings.request_socket),
