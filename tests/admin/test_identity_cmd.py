@@ -210,3 +210,26 @@ def test_write_pins_refuses_bad_input_and_writes_nothing(
     expected = {"missing folder": "cannot read model config", "no tokenizer": "no tokenizer",
                 "bad template": "chat template cannot be rendered"}[breakage]
     assert expected in err, err
+
+
+def test_a_recipe_without_tp_or_pp_takes_vllm_s_defaults(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM runs a recipe without -tp/-pp at 1 and 1; the pins writer reads it the same way
+    (they were reported MISSING), and the defaults are vLLM's own."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvpersist.admin.pins_writer import VLLM_DEFAULTS
+
+    engine_defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    assert {name: engine_defaults[name] for name in VLLM_DEFAULTS} == VLLM_DEFAULTS
+    folder = tiny_folder(tmp_path)
+    target = tmp_path / "identity.env"
+    recipe = RECIPE.replace(" -tp 1 -pp 1", "")
+    code, _, err = run(capsys, "identity", "--vllm-args", f"{folder} {recipe}",
+                       "--write-pins", str(target))
+    assert code == 0, err
+    assert _pins_values(target) == _pins_values(TINY_PINS)
+    code, out, _ = run(capsys, "identity", "--vllm-args", f"{folder} {recipe} -tp 2", "--json")
+    assert json.loads(out)["fields"]["tensor_parallel_size"] == 2

@@ -28,6 +28,10 @@ from ..identity import FIELDS, CacheIdentity
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: Fields the pins file leaves to the running engine.
 ENGINE_ONLY = ("build",)
+#: vLLM's own defaults (``EngineArgs``) for the identity flags a recipe may leave out; a test
+#: holds them to the installed vLLM.  Block size and max model length have none: vLLM derives
+#: them from the platform and the model, so a recipe must say them (or ``--set``).
+VLLM_DEFAULTS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
 
 
 class PinsError(ValueError):
@@ -63,7 +67,9 @@ def _flag_parser() -> argparse.ArgumentParser:
 
 def identity_flags(args: str | Sequence[str]) -> IdentityFlags:
     """Parse the identity-relevant flags out of vLLM arguments (a string is split like a shell
-    would); other flags are ignored.  A malformed value raises :class:`PinsError`."""
+    would); other flags are ignored, and a flag the recipe leaves out that vLLM defaults
+    (:data:`VLLM_DEFAULTS`) takes vLLM's default, as the engine would.  A malformed value
+    raises :class:`PinsError`."""
     argv = shlex.split(args) if isinstance(args, str) else list(args)
     # `vllm serve MODEL ...` / `kvp-vllm MODEL ...`: a leading positional is the model
     model = argv[0] if argv and not argv[0].startswith("-") else None
@@ -73,10 +79,15 @@ def identity_flags(args: str | Sequence[str]) -> IdentityFlags:
         raise PinsError(f"cannot read the identity flags of the vLLM arguments {argv!r}; "
                         "check --block-size, -tp, -pp and --max-model-len") from None
     return IdentityFlags(model=known.model or model, block_size=known.block_size,
-                         tensor_parallel_size=known.tensor_parallel_size,
-                         pipeline_parallel_size=known.pipeline_parallel_size,
+                         tensor_parallel_size=_or_default(known, "tensor_parallel_size"),
+                         pipeline_parallel_size=_or_default(known, "pipeline_parallel_size"),
                          max_model_len=known.max_model_len, dtype=known.dtype,
                          kv_cache_dtype=known.kv_cache_dtype, chat_template=known.chat_template)
+
+
+def _or_default(known: argparse.Namespace, name: str) -> int:
+    value = getattr(known, name)
+    return VLLM_DEFAULTS[name] if value is None else int(value)
 
 
 def check_model_folder(folder: Path, *, chat_template: str | None = None) -> None:
