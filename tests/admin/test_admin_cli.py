@@ -325,3 +325,44 @@ def test_verify_check_is_the_store_oracle(root: Path, capsys: pytest.CaptureFixt
         assert code == 1 and "one writer per root" in err
     finally:
         store.close()
+
+
+TP0, TP1 = 0x02000200, 0x02010201  # LMCache's kv_rank of TP rank 0 and 1 of 2
+
+
+def test_report_and_verify_show_files_per_rank_and_a_missing_rank_makes_a_namespace_incomplete(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A TP=2 namespace holds two shards of every chunk.  Rank 1's file of one chunk is gone:
+    that chunk can never hit, and the report says so, by rank."""
+    cache = tmp_path / "cache"
+    store = KvFileStore(cache, 10**9)
+    store.open(background_scan=False)
+    full, part = "kvp-" + "e" * 32, "kvp-" + "f" * 32
+    for ns in (full, part):
+        for i in range(3):
+            for rank in (TP0, TP1):
+                if ns == part and i == 1 and rank == TP1:
+                    continue
+                store.put(KeyFields(f"org/m/{ns}", rank, 0, bytes([i]) * 32), b"x" * PAYLOAD)
+    store.close()
+    monkeypatch.setenv("KVP_CACHE_ROOT", str(cache))
+    monkeypatch.setenv("KVP_HTTP_PORT", "9")
+    code, out, _ = run(capsys, "report", "--json", "--active", full)
+    rows = {r["namespace"]: r for r in json.loads(out)["namespaces"]}
+    assert code == 0
+    assert rows[full]["ranks"] == {"files_per_rank": {"0/2": 3, "1/2": 3}, "chunks": 3,
+                                   "incomplete_chunks": 0, "missing_per_rank": {},
+                                   "complete": True}
+    assert rows[part]["ranks"]["files_per_rank"] == {"0/2": 3, "1/2": 2}
+    assert rows[part]["ranks"]["missing_per_rank"] == {"1/2": 1}
+    assert rows[part]["ranks"]["complete"] is False
+    code, out, err = run(capsys, "report", "--active", full)
+    assert code == 0 and "0/2:3 1/2:2 INCOMPLETE" in out
+    assert f"namespace {part} is incomplete: 1 of 3 chunks lack a rank's file" in err
+    code, out, _ = run(capsys, "verify", "--json")
+    assert code == 0
+    assert json.loads(out)["per_rank"] == {"0/2": {"checked": 6, "failed": 0},
+                                           "1/2": {"checked": 5, "failed": 0}}
+    code, out, _ = run(capsys, "verify")
+    assert "0/2 6 checked, 0 failed, 1/2 5 checked, 0 failed" in out

@@ -12,6 +12,7 @@ from ..l2.inventory import Inventory
 from ..serving import http
 from ..serving.late_attach import registered_namespaces
 from .budget import BudgetModel, over_quota
+from .rank_coverage import RankCoverage, rank_coverage
 
 
 def active_namespaces_from_server(http_url: str, timeout: float = 5.0) -> set[str] | None:
@@ -26,6 +27,7 @@ def build_report(inv: Inventory, budget: BudgetModel, quotas: dict[str, int],
                  active: set[str]) -> dict[str, Any]:
     usage = inv.namespaces()
     over = over_quota({ns: u.bytes for ns, u in usage.items()}, quotas)
+    coverage = rank_coverage(inv)
     rows = []
     for ns in sorted(usage, key=lambda n: -usage[n].bytes):
         u = usage[ns]
@@ -37,6 +39,7 @@ def build_report(inv: Inventory, budget: BudgetModel, quotas: dict[str, int],
             "budget_share": budget.share(u.bytes),
             "last_access": u.last_access,
             "state": "active" if ns in active else "stale",
+            "ranks": coverage.get(ns, RankCoverage()).as_dict(),
             "quota_bytes": quotas.get(ns),
             "over_quota_bytes": over.get(ns, 0),
         })

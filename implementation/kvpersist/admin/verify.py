@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..l2.files import quarantine_file, verify_file
 from ..l2.inventory import CacheFile
+from .rank_coverage import global_rank_of, world_size_of
 
 
 @dataclass
@@ -22,6 +23,16 @@ class VerifyResult:
     failures: list[tuple[str, str]] = field(default_factory=list)
     quarantined: int = 0
     seconds: float = 0.0
+    #: "rank/world size" -> {"checked": files, "failed": files}
+    per_rank: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def _count(self, f: CacheFile, failed: bool) -> None:
+        key = f.key
+        label = "?" if key is None else \
+            f"{global_rank_of(key.kv_rank)}/{world_size_of(key.kv_rank)}"
+        row = self.per_rank.setdefault(label, {"checked": 0, "failed": 0})
+        row["checked"] += 1
+        row["failed"] += int(failed)
 
 
 def verify_files(root: Path, files: Iterable[CacheFile], *, quarantine: bool,
@@ -36,6 +47,7 @@ def verify_files(root: Path, files: Iterable[CacheFile], *, quarantine: bool,
         reason, nbytes = verify_file(f.path)
         result.checked += 1
         result.bytes_read += nbytes
+        result._count(f, reason is not None)
         if reason is not None:
             result.failures.append((str(f.path), reason))
             if quarantine:

@@ -47,21 +47,36 @@ def _report_data(args: argparse.Namespace, label: str) -> tuple[dict[str, Any], 
     return data, settings
 
 
+def _ranks(coverage: dict[str, object]) -> str:
+    """``0/2:5 1/2:5`` (rank/world size: files), and ``INCOMPLETE`` when a chunk lacks a rank."""
+    per_rank = coverage["files_per_rank"]
+    assert isinstance(per_rank, dict)
+    text = " ".join(f"{k}:{v}" for k, v in per_rank.items())
+    return text if coverage["complete"] else f"{text} INCOMPLETE"
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     data, _ = _report_data(args, "report")
     if args.json:
         print_json(data)
         return EXIT_OK
-    rows = [(r["namespace"], ",".join(r["model_ids"]), r["files"], gib(r["bytes"]),
-             f"{100 * r['budget_share']:.2f}%", when(r["last_access"]), r["state"],
-             gib(r["quota_bytes"]), "OVER" if r["over_quota_bytes"] else "")
+    rows = [(r["namespace"], ",".join(r["model_ids"]), r["files"], _ranks(r["ranks"]),
+             gib(r["bytes"]), f"{100 * r['budget_share']:.2f}%", when(r["last_access"]),
+             r["state"], gib(r["quota_bytes"]), "OVER" if r["over_quota_bytes"] else "")
             for r in data["namespaces"]]
     print(f"cache root {data['root']}: {gib(data['cache_bytes'])} GiB of budget "
           f"{gib(data['budget_bytes'])} GiB ({100 * data['budget_share']:.2f}%); eviction at "
           f"{gib(data['trigger_bytes'])} GiB down to {gib(data['reclaim_target_bytes'])} GiB")
     print(f"active namespaces from: {data['active_source']}\n")
-    print(table(rows, ("namespace", "model id", "files", "GiB", "budget", "last access",
-                        "state", "quota GiB", "quota")))
+    print(table(rows, ("namespace", "model id", "files", "files per rank", "GiB", "budget",
+                        "last access", "state", "quota GiB", "quota")))
+    for r in data["namespaces"]:
+        cov = r["ranks"]
+        if not cov["complete"]:
+            missing = ", ".join(f"rank {k}: {v}" for k, v in cov["missing_per_rank"].items())
+            print(f"warning: namespace {r['namespace']} is incomplete: "
+                  f"{cov['incomplete_chunks']} of {cov['chunks']} chunks lack a rank's file "
+                  f"({missing}) and can never hit", file=sys.stderr)
     print()
     print(table([(c, v["files"], gib(v["bytes"])) for c, v in data["classes"].items()],
                  ("class", "files", "GiB")))

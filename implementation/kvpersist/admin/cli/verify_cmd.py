@@ -66,10 +66,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"checked": res.checked, "bytes_read": res.bytes_read,
                      "failures": [{"path": p, "reason": r} for p, r in res.failures],
-                     "quarantined": res.quarantined, "seconds": round(res.seconds, 3)})
+                     "quarantined": res.quarantined, "seconds": round(res.seconds, 3),
+                     "per_rank": dict(sorted(res.per_rank.items()))})
     else:
         print(f"verified {res.checked} files ({gib(res.bytes_read)} GiB) in {res.seconds:.1f}s: "
               f"{len(res.failures)} failed, {res.quarantined} quarantined")
+        if len(res.per_rank) > 1:
+            print("  per rank (rank/world size): " + ", ".join(
+                f"{label} {row['checked']} checked, {row['failed']} failed"
+                for label, row in sorted(res.per_rank.items())))
         for path, reason in res.failures:
             print(f"  {reason}: {path}")
     return EXIT_OFF if res.failures and not args.quarantine else EXIT_OK
