@@ -181,3 +181,25 @@ def test_no_server_at_start_means_attach_late_when_the_chunk_size_is_known(
     without = engine_config(tiny_model, TINY_PINS, settings, extra={"kvpersist.chunk_size": None})
     closed = decide(without, environ={}, probe=lambda options: False)
     assert not closed.enabled and "restart vLLM after the server" in (closed.reason or "")
+
+
+def test_an_uneven_pipeline_split_is_refused_up_front_naming_it(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """3 layers over PP=2 (2 + 1): caching off before anything is stored, with a message that
+    names the split; the even split of the tiny model's 2 layers is cached."""
+    from kvpersist.demo.tiny_model import TINY, build_tiny_model
+
+    even = engine_config(tiny_model, write_pins(tmp_path / "pp2.env", pipeline_parallel_size="2"),
+                         pipeline_parallel_size=2)
+    assert decide(even, probe=lambda options: True).enabled
+    three = build_tiny_model(tmp_path / "models",
+                             TINY._replace(model_id="kvpersist/tiny-llama-3-layers", layers=3))
+    pins = tmp_path / "three.env"
+    from kvpersist.testing.helpers import pins_for_model
+
+    pins_for_model(three, pins)
+    pins.write_text(pins.read_text().replace("KVP_PP_SIZE=1", "KVP_PP_SIZE=2"))
+    decision = decide(engine_config(three, pins, pipeline_parallel_size=2),
+                      probe=lambda options: True)
+    assert not decision.enabled
+    assert "splits the model's 3 layers unevenly (2, 1 per stage)" in str(decision.reason)

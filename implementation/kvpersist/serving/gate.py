@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ..config.client import ConnectorOptions
@@ -92,6 +93,35 @@ def server_answers(options: ConnectorOptions) -> bool | str:
     return resp.status == 200
 
 
+def pipeline_stage_layers(vllm_config: Any) -> list[int]:
+    """The number of layers each pipeline stage holds, as vLLM splits them (its own
+    ``get_layers_start_end_indices``, so ``VLLM_PP_LAYER_PARTITION`` counts)."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+    sizes = []
+    for stage in range(pp):
+        start, end = mc.get_layers_start_end_indices(
+            SimpleNamespace(rank=stage * tp, tensor_parallel_size=tp, pipeline_parallel_size=pp))
+        sizes.append(int(end) - int(start))
+    return sizes
+
+
+def uneven_pipeline_split(vllm_config: Any) -> str | None:
+    """Why a pipeline-parallel layout cannot be cached, or None.  LMCache 0.5.6 keeps one KV
+    layout per model and world size and sizes every rank's transfer buffers from it, so stages
+    with different layer counts would get buffers of the wrong length (and a valid file would
+    fail its length check): refused before anything is stored."""
+    if int(vllm_config.parallel_config.pipeline_parallel_size) <= 1:
+        return None
+    sizes = pipeline_stage_layers(vllm_config)
+    if len(set(sizes)) == 1:
+        return None
+    return (f"pipeline parallel size {len(sizes)} splits the model's {sum(sizes)} layers "
+            f"unevenly ({', '.join(map(str, sizes))} per stage); LMCache sizes every rank's KV "
+            "transfer from one layout, so such a layout cannot be cached: use a pipeline size "
+            "that divides the layer count (or an even VLLM_PP_LAYER_PARTITION)")
+
+
 def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
            probe: Callable[[ConnectorOptions], bool | str] = server_answers) -> GateDecision:
     """Open or close the gate for one connector instance (see module invariants)."""
@@ -99,6 +129,9 @@ def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
         options = ConnectorOptions.from_extra_config(extra_config(vllm_config), environ)
     except SettingsError as exc:
         return GateDecision.off(f"bad setting {exc}")
+    uneven = uneven_pipeline_split(vllm_config)
+    if uneven is not None:
+        return GateDecision.off(uneven, options)
     resolution = resolve_engine_identity(vllm_config, options)
     if not resolution.enabled or resolution.identity is None:
         return GateDecision.off(resolution.summary(), options)
