@@ -89,7 +89,7 @@ def test_shared_memory_is_counted_for_every_worker_and_unproven_layouts_are_pick
         assert default_transfer_mode(env, tmp_path, layout=(1, 1))[0] == "lmcache_driven"
     mode, why = default_transfer_mode(env, tmp_path, layout=(2, 1))
     assert mode == "engine_driven" and f"2 x {space} GiB" in why, why
-    mode, why = default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path, layout=(1, 2))
+    mode, why = default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path, layout=(2, 2))
     assert mode == "engine_driven" and "PP 2" in why, why
     mode, why = default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path, layout=(4, 1))
     assert mode == "engine_driven" and "TP 4" in why, why

@@ -51,8 +51,10 @@ PROMPT_DETAILS_FLAG = "--enable-prompt-tokens-details"
 
 
 #: Layouts (tensor, pipeline parallel size) whose CPU ``lmcache_driven`` restores are proven
-#: exact here, a late write included (tests/e2e/test_load_fence_e2e.py); others are pickled.
-PROVEN_CPU_LMCACHE_DRIVEN = ((1, 1), (2, 1))
+#: exact here, a late write included (tests/e2e/test_load_fence_e2e.py, TP 1-2) and every
+#: rank's own KV after a restart (tests/e2e/test_parallel_restore_e2e.py, TP 2 and PP 2);
+#: others are pickled.
+PROVEN_CPU_LMCACHE_DRIVEN = ((1, 1), (2, 1), (1, 2))
 
 
 def parallel_layout(args: Sequence[str]) -> tuple[int, int]:
@@ -91,7 +93,7 @@ def default_transfer_mode(environ: Mapping[str, str] | None = None,
     tp, pp = layout
     if layout not in PROVEN_CPU_LMCACHE_DRIVEN:
         return "engine_driven", (f"no CUDA, and lmcache_driven is proven on CPU only for "
-                                 f"TP 1-2 at PP 1 (this is TP {tp}, PP {pp})")
+                                 f"TP 1-2 at PP 1 and PP 2 at TP 1 (this is TP {tp}, PP {pp})")
     env = os.environ if environ is None else environ
     space = env.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
     if not space.isdigit() or int(space) <= 0:
