@@ -7,7 +7,9 @@ each message) while a request waits on the server, and each is pinned to its cor
 heartbeat (scheduler and both workers) timed out within 80 ms of each other, the lookup made
 no progress and was bypassed after 7 s, and a SCHED_OTHER canary process slept 3-7 s late at
 exactly those moments while a SCHED_FIFO one never did.  With the server at nice -10 no
-restore of 8 stalled.  Leaving cores free for the server does the same where the host has them.
+restore of 8 stalled in one run, yet later runs still stalled for up to 9 s (the engine's own
+heartbeat threads starve as well): a priority makes it rarer; a core the workers do not hold
+is the fix where the host has one.
 
 Invariants
 ----------

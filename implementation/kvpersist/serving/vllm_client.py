@@ -89,9 +89,14 @@ def chat_body(base_url: str, messages: list[dict[str, str]], *, max_tokens: int,
 
 
 def chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: int = 16,
-         timeout: float = 120.0, model: str | None = None) -> ChatResult:
-    """One chat completion at temperature 0 with logprobs (``model``: default the served one)."""
+         timeout: float = 120.0, model: str | None = None,
+         cache_salt: str | None = None) -> ChatResult:
+    """One chat completion at temperature 0 with logprobs (``model``: default the served one;
+    ``cache_salt``: vLLM's per-request salt, which enters every cache key, so the request
+    shares no cached chunk with unsalted ones)."""
     body = chat_body(base_url, messages, max_tokens=max_tokens, model=model)
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     began = time.monotonic()
     reply = http_json(base_url + "/v1/chat/completions", body, timeout=timeout)
     choice = reply["choices"][0]

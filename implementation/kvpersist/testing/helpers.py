@@ -173,3 +173,18 @@ def tcp_listeners(pid: int) -> list[str]:
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 found.append(fields[1])
     return found
+
+
+def chunk_hashes(model_dir: Path, messages: list[dict[str, str]], chunk: int = 256
+                 ) -> list[bytes]:
+    """The chunk hashes LMCache keys a chat's full chunks by, in prompt order: the model's chat
+    template (as vLLM renders it) and LMCache's own rolling hasher (blake3, no salt).  A test
+    that damages "chunk k" finds its files by these, not by modification time, whose
+    granularity gives many files of one request the same stamp."""
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)
+    return list(TokenHasher(chunk, "blake3").compute_chunk_hashes(list(rendered["input_ids"])))
