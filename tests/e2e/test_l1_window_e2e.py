@@ -10,6 +10,7 @@ tokens and logprobs against the cold run."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -31,6 +32,7 @@ from kvpersist.testing.helpers import (
     pins_for_model,
     server_env,
     wait_for_l2_files,
+    wait_for_stored_chat,
 )
 
 pytestmark = pytest.mark.e2e
@@ -88,7 +90,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             cold[topic] = result = chat(vllm.base_url, long_conversation(TOKENS, topic),
                                         timeout=TIMEOUT)
             assert result.prompt_tokens // CHUNK == 13, result.prompt_tokens
-            stored = store_all(settings, vllm, topic, len(before) + 13)
+            # a store that found L1 (3 chunks) full of chunks still on their way to L2 is
+            # dropped by LMCache's store path: the chat is sent again
+            stored = wait_for_stored_chat(
+                settings.cache_root, len(before) + 13,
+                functools.partial(chat, vllm.base_url, long_conversation(TOKENS, topic),
+                                  timeout=TIMEOUT))
             files[topic] = sorted((settings.cache_root / p for p in set(stored) - before),
                                   key=lambda p: p.stat().st_mtime_ns)
             assert len(files[topic]) == 13
@@ -102,19 +109,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     finally:
         vllm.kill()
         stop_server(settings)
-
-
-def store_all(settings: ServerSettings, vllm: VllmProcess, topic: str, count: int
-              ) -> dict[str, str]:
-    """Wait for a cold run's 13 files.  A store that found L1 full of chunks still on their way
-    to L2 is dropped (LMCache's store path; L1 here is 3 chunks), so the chat is sent again: its
-    stored prefix hits and the missing chunks are computed and stored."""
-    for _ in range(3):
-        try:
-            return wait_for_l2_files(settings.cache_root, count, timeout=30)
-        except AssertionError:
-            chat(vllm.base_url, long_conversation(TOKENS, topic), timeout=TIMEOUT)
-    return wait_for_l2_files(settings.cache_root, count, timeout=60)
 
 
 def restore(stack: Stack, topic: str) -> object:

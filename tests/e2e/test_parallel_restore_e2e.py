@@ -25,6 +25,7 @@ again (its stored chunks hit, the missing ones are computed and stored).
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -39,7 +40,7 @@ from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversatio
 from kvpersist.l2.format import HEADER_SIZE, build_header, parse_header, payload_digest
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.corruption import corrupt_file
-from kvpersist.testing.helpers import chunk_hashes, l2_files, server_env, wait_for_l2_files
+from kvpersist.testing.helpers import chunk_hashes, l2_files, server_env, wait_for_stored_chat
 
 pytestmark = pytest.mark.e2e
 CHUNK = 256
@@ -119,7 +120,10 @@ def stack(request: pytest.FixtureRequest, tiny_model: Path,
                                         timeout=TIMEOUT)
             chunks = (result.prompt_tokens - 1) // CHUNK
             assert chunks == 5, result.prompt_tokens
-            stored = stored_cold(settings, vllm, topic, len(before) + 2 * chunks)
+            stored = wait_for_stored_chat(
+                settings.cache_root, len(before) + 2 * chunks,
+                functools.partial(chat, vllm.base_url, long_conversation(TOKENS, topic),
+                                  timeout=TIMEOUT))
             new = [settings.cache_root / p for p in set(stored) - before]
             order = [h.hex() for h in chunk_hashes(tiny_model, long_conversation(TOKENS, topic))]
             assert len(order) == chunks
@@ -138,16 +142,6 @@ def stack(request: pytest.FixtureRequest, tiny_model: Path,
     finally:
         vllm.kill()
         stop_server(settings)
-
-
-def stored_cold(settings: ServerSettings, vllm: VllmProcess, topic: str, count: int
-                ) -> dict[str, str]:
-    for _ in range(2):
-        try:
-            return wait_for_l2_files(settings.cache_root, count, timeout=30)
-        except AssertionError:
-            chat(vllm.base_url, long_conversation(TOKENS, topic), timeout=TIMEOUT)
-    return wait_for_l2_files(settings.cache_root, count, timeout=60)
 
 
 def restore(stack: Stack, topic: str) -> ChatResult:
