@@ -10,7 +10,7 @@ tests/e2e/test_long_conversation_e2e.py (34k tokens, 34 MiB of KV).
         # LMCache's two CPU transports side by side in one run (restored TTFT, /dev/shm left)
     .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 127500 --l1-gb 0.5
         # 131k tokens at 16 KiB/token (2 GiB of KV) through an L1 of 0.5 GiB: the restore
-        # streams through L1 (kvpersist.serving.l1_streaming); also a cold raw read of the
+        # streams through L1 (kvpersist.serving.lmcache_compat.l1_streaming); also a cold raw read of the
         # same files, with the page cache dropped, for comparison
 
 The restore is judged bit-identical (tokens and logprobs) and complete (every full chunk from

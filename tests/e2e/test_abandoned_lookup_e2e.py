@@ -27,7 +27,8 @@ import pytest
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.demo.tiny_model import WIDE_KV, build_tiny_model
-from kvpersist.serving import fault_injection, http
+from kvpersist.serving import http
+from kvpersist.serving.lmcache_compat import fault_injection
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.helpers import (
     clear_l1,

@@ -1,6 +1,6 @@
 """A conversation whose KV is several times L1 comes back in full from L2, through real vLLM
 and a real LMCache server, after restarting both with the page cache dropped: it streams
-through L1 (:mod:`kvpersist.serving.l1_streaming`).  On the same restarted stack: a busy L1
+through L1 (:mod:`kvpersist.serving.lmcache_compat.l1_streaming`).  On the same restarted stack: a busy L1
 (clean objects evicted on demand), two long restores at once, and a corrupt file in the middle
 of a streamed restore.
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvpersist.config.client import ConnectorOptions
 from kvpersist.config.server import ServerSettings, load_settings
-from kvpersist.serving.gate import decide, resolve_engine_identity
+from kvpersist.serving.gate import AttachLate, Bypass, CacheOn, Closed, decide, resolve_engine_identity
 from kvpersist.serving.launcher import kv_transfer_config
 from kvpersist.serving.server import start_server
 from kvpersist.testing.helpers import TINY_PINS, write_pins
@@ -78,15 +78,14 @@ def test_a_malformed_setting_closes_the_gate_naming_it(tiny_model: Path, extra: 
                                                        environ: dict[str, str], named: str) -> None:
     cfg = engine_config(tiny_model, TINY_PINS, extra=extra)
     decision = decide(cfg, environ=environ, probe=lambda options: True)
-    assert not decision.enabled
-    assert decision.reason is not None and named in decision.reason, decision.reason
+    assert isinstance(decision, Closed) and named in decision.reason, decision
 
 
 def test_the_gate_opens_with_good_settings_and_a_live_server(tiny_model: Path) -> None:
     cfg = engine_config(tiny_model, TINY_PINS)
-    assert decide(cfg, environ={}, probe=lambda options: True).enabled
+    assert isinstance(decide(cfg, environ={}, probe=lambda options: True), CacheOn)
     later = decide(cfg, environ={}, probe=lambda options: False)  # no server yet: attach later
-    assert later.enabled and later.attach_late
+    assert isinstance(later, AttachLate)
 
 
 def test_a_malformed_setting_gives_a_working_disabled_connector(tiny_model: Path) -> None:
@@ -162,13 +161,13 @@ def test_bypass_resolves_the_identity_and_skips_the_server(tiny_model: Path) -> 
         raise AssertionError("a bypassed engine contacted the server")
 
     decision = decide(cfg, environ={"KVP_CACHE_BYPASS": "1"}, probe=no_server)
-    assert decision.bypass and decision.identity is not None
+    assert isinstance(decision, Bypass)
     assert decision.identity.namespace.startswith("kvp-")
     bad = decide(cfg, environ={"KVP_CACHE_BYPASS": "maybe"}, probe=no_server)
-    assert not bad.enabled and not bad.bypass and "KVP_CACHE_BYPASS" in (bad.reason or "")
+    assert isinstance(bad, Closed) and "KVP_CACHE_BYPASS" in bad.reason
     wrong = decide(engine_config(tiny_model, TINY_PINS, dtype="bfloat16"),
                    environ={"KVP_CACHE_BYPASS": "1"}, probe=no_server)
-    assert not wrong.bypass and "kv_cache_dtype" in (wrong.reason or "")
+    assert isinstance(wrong, Closed) and "kv_cache_dtype" in wrong.reason
 
 
 def test_no_server_at_start_means_attach_late_when_the_chunk_size_is_known(
@@ -176,11 +175,11 @@ def test_no_server_at_start_means_attach_late_when_the_chunk_size_is_known(
     settings = load_settings({"KVP_CACHE_ROOT": str(tmp_path / "nowhere")})
     cfg = engine_config(tiny_model, TINY_PINS, settings)
     decision = decide(cfg, environ={}, probe=lambda options: False)
-    assert decision.enabled and decision.attach_late and decision.options is not None
+    assert isinstance(decision, AttachLate)
     assert decision.options.chunk_size == settings.chunk_size
     without = engine_config(tiny_model, TINY_PINS, settings, extra={"kvpersist.chunk_size": None})
     closed = decide(without, environ={}, probe=lambda options: False)
-    assert not closed.enabled and "restart vLLM after the server" in (closed.reason or "")
+    assert isinstance(closed, Closed) and "restart vLLM after the server" in closed.reason
 
 
 def test_an_uneven_pipeline_split_is_refused_up_front_naming_it(
@@ -191,7 +190,7 @@ def test_an_uneven_pipeline_split_is_refused_up_front_naming_it(
 
     even = engine_config(tiny_model, write_pins(tmp_path / "pp2.env", pipeline_parallel_size="2"),
                          pipeline_parallel_size=2)
-    assert decide(even, probe=lambda options: True).enabled
+    assert isinstance(decide(even, probe=lambda options: True), CacheOn)
     three = build_tiny_model(tmp_path / "models",
                              TINY._replace(model_id="kvpersist/tiny-llama-3-layers", layers=3))
     pins = tmp_path / "three.env"
@@ -201,5 +200,32 @@ def test_an_uneven_pipeline_split_is_refused_up_front_naming_it(
     pins.write_text(pins.read_text().replace("KVP_PP_SIZE=1", "KVP_PP_SIZE=2"))
     decision = decide(engine_config(three, pins, pipeline_parallel_size=2),
                       probe=lambda options: True)
-    assert not decision.enabled
-    assert "splits the model's 3 layers unevenly (2, 1 per stage)" in str(decision.reason)
+    assert isinstance(decision, Closed)
+    assert "splits the model's 3 layers unevenly (2, 1 per stage)" in decision.reason
+
+
+def test_the_gate_closes_when_an_exactness_patch_does_not_match_lmcache(
+        tiny_model: Path, settings: ServerSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As after an LMCache upgrade that changed the worker adapter the load fence relies on:
+    the engine serves uncached, with the reason, although identity and server are fine."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpersist.serving.connector import KvPersistConnector
+    from kvpersist.serving.lmcache_compat import pins
+
+    start_server(settings)
+    cfg = engine_config(tiny_model, TINY_PINS, settings)
+    fence = pins.FEATURES["load_fence"]
+    (module, qualname, _), *rest = fence.sources
+    monkeypatch.setitem(pins.FEATURES, "load_fence", pins.Feature(
+        fence.name, fence.purpose, fence.if_off, ((module, qualname, "0" * 16), *rest),
+        fence.unsafe_without))
+    pins.available.cache_clear()
+    try:
+        conn = KvPersistConnector(cfg, KVConnectorRole.SCHEDULER)
+        assert not conn.caching
+        assert "load_fence does not match the installed LMCache" in str(conn.disabled_reason)
+    finally:
+        monkeypatch.undo()
+        pins.available.cache_clear()
+    assert KvPersistConnector(cfg, KVConnectorRole.SCHEDULER).caching  # the control: pins back

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.serving import fault_injection
+from kvpersist.serving.lmcache_compat import fault_injection
 
 
 def test_unset_faults_change_nothing_and_malformed_ones_are_refused() -> None:

@@ -1,34 +1,12 @@
-"""The LMCache code the L1 window relies on is the code it was written against: a changed
-function fails here, not in a restore (see :mod:`kvpersist.serving.l1_streaming`)."""
+"""The L1 window's hooks keep what LMCache's server needs of its handlers (see
+:mod:`kvpersist.serving.lmcache_compat.l1_streaming`; its pinned sources are checked in
+``test_lmcache_compat.py``)."""
 
 from __future__ import annotations
 
 import inspect
 
-import pytest
-
-from kvpersist.serving import l1_streaming
-
-
-@pytest.mark.parametrize(("module", "qualname"), l1_streaming.PATCHED,
-                         ids=[q for _, q in l1_streaming.PATCHED])
-def test_the_lmcache_source_the_window_relies_on_is_unchanged(module: str, qualname: str
-                                                              ) -> None:
-    assert l1_streaming.SOURCE_SHA256[qualname] == l1_streaming.source_digest(module, qualname), (
-        f"LMCache's {qualname} changed: review kvpersist.serving.l1_streaming against it, then "
-        "update SOURCE_SHA256")
-
-
-def test_every_patched_function_is_pinned() -> None:
-    assert set(l1_streaming.SOURCE_SHA256) == {q for _, q in l1_streaming.PATCHED}
-
-
-def test_the_digest_sees_through_lmcache_decorators() -> None:
-    # L1Manager's methods are wrapped by a lock decorator without functools.wraps: two of them
-    # must not hash to the decorator's one source.
-    digests = {l1_streaming.source_digest("lmcache.v1.distributed.l1_manager", name)
-               for name in ("L1Manager.reserve_write", "L1Manager.delete")}
-    assert len(digests) == 2
+from kvpersist.serving.lmcache_compat import l1_streaming
 
 
 def test_the_hooks_keep_lmcache_handler_registration() -> None:

@@ -14,9 +14,10 @@ import pytest
 
 from kvpersist.config.server import ServerSettings
 from kvpersist.serving.http import refuses_connections
+from kvpersist.serving.lmcache_compat.pickle_transport import REPLACED, install, uninstall
 from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import start_server
-from kvpersist.serving.transfer_wait import REPLACED, ServerWait, install, uninstall
+from kvpersist.serving.transfer_wait import ServerWait
 from kvpersist.testing.helpers import wait_until
 from kvpersist.testing.lmcache_bench import BenchDriver
 from kvpersist.testing.processes import kill_server

@@ -9,18 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 from ..l2.inventory import Inventory
-from ..serving import http
-from ..serving.late_attach import registered_namespaces
+from ..serving.lmcache_compat import status as server_status
 from .budget import BudgetModel, over_quota
 from .rank_coverage import RankCoverage, rank_coverage
 
 
 def active_namespaces_from_server(http_url: str, timeout: float = 5.0) -> set[str] | None:
     """Namespaces of the engines registered with the running server, or None if it is down."""
-    body = http.get_object(http_url + "/status", timeout=timeout)
+    body = server_status.fetch(http_url, timeout=timeout)
     if body is None:
         return None
-    return set(registered_namespaces(body))
+    return set(server_status.registered_namespaces(body))
 
 
 def build_report(inv: Inventory, budget: BudgetModel, quotas: dict[str, int],

@@ -10,8 +10,8 @@ Invariants
   "attach late" (:mod:`kvpersist.serving.late_attach`).
 * Fail closed: caching is on only if the connector options parse, the identity derived from the
   running engine is complete and agrees with the pins, and the LMCache server answers; any
-  other outcome is a :class:`GateDecision` that is off and whose ``reason`` names the setting,
-  the identity field or the server.  Nothing here raises: a typo in a setting turns caching
+  other outcome is :class:`Closed`, whose ``reason`` names the setting, the identity field, the
+  layout or the server.  Nothing here raises: a typo in a setting turns caching
   off and vLLM keeps serving.
 * The same inputs give the same decision in every process of an engine (scheduler and each
   worker); where the server's answer differs between them, the connector reconciles through
@@ -38,23 +38,38 @@ SERVER_PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
-class GateDecision:
-    """Caching on (``identity`` and ``options`` set, ``reason`` None) or off (``reason``)."""
+class CacheOn:
+    """Caching on: the identity agrees with the pins and the server answered."""
 
-    identity: CacheIdentity | None
-    options: ConnectorOptions | None
-    reason: str | None
-    bypass: bool = False
-    #: caching on, but the server did not answer at start: attach when it does
-    attach_late: bool = False
+    identity: CacheIdentity
+    options: ConnectorOptions
 
-    @property
-    def enabled(self) -> bool:
-        return self.reason is None
 
-    @classmethod
-    def off(cls, reason: str, options: ConnectorOptions | None = None) -> GateDecision:
-        return cls(None, options, reason)
+@dataclass(frozen=True)
+class AttachLate:
+    """Caching on once the server answers: it did not at start, but its chunk size is known."""
+
+    identity: CacheIdentity
+    options: ConnectorOptions
+
+
+@dataclass(frozen=True)
+class Bypass:
+    """``KVP_CACHE_BYPASS``: the identity resolved (and is recorded), nothing is cached."""
+
+    identity: CacheIdentity
+    options: ConnectorOptions
+
+
+@dataclass(frozen=True)
+class Closed:
+    """Caching off, and why (a setting, an identity field, the server, a layout)."""
+
+    reason: str
+
+
+#: The gate's answer for one connector instance: exactly one of these cases.
+GateDecision = CacheOn | AttachLate | Bypass | Closed
 
 
 def extra_config(vllm_config: Any) -> Mapping[str, Any]:
@@ -128,25 +143,25 @@ def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
     try:
         options = ConnectorOptions.from_extra_config(extra_config(vllm_config), environ)
     except SettingsError as exc:
-        return GateDecision.off(f"bad setting {exc}")
+        return Closed(f"bad setting {exc}")
     uneven = uneven_pipeline_split(vllm_config)
     if uneven is not None:
-        return GateDecision.off(uneven, options)
+        return Closed(uneven)
     resolution = resolve_engine_identity(vllm_config, options)
     if not resolution.enabled or resolution.identity is None:
-        return GateDecision.off(resolution.summary(), options)
+        return Closed(resolution.summary())
     if options.bypass:
-        return GateDecision(resolution.identity, options, None, bypass=True)
+        return Bypass(resolution.identity, options)
     answer = probe(options)
     if isinstance(answer, str):
-        return GateDecision.off(answer, options)
+        return Closed(answer)
     if not answer:
         if options.chunk_size is not None:
-            return GateDecision(resolution.identity, options, None, attach_late=True)
-        return GateDecision.off("the LMCache server does not answer at start (and "
+            return AttachLate(resolution.identity, options)
+        return Closed("the LMCache server does not answer at start (and "
                                 "kvpersist.chunk_size is not set, so the engine cannot attach "
-                                "later: restart vLLM after the server)", options)
-    return GateDecision(resolution.identity, options, None)
+                                "later: restart vLLM after the server)")
+    return CacheOn(resolution.identity, options)
 
 
 def record_identity(options: ConnectorOptions, identity: CacheIdentity) -> Path | str | None:

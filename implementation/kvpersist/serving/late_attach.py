@@ -8,7 +8,9 @@ healthy edge the worker re-registers its KV caches.  Late attach reuses that pat
 * the adapters are built with the chunk size the server will have (``kvpersist.chunk_size``,
   which the launcher takes from the same settings as the server) instead of asking for it;
 * they start *unhealthy* with their heartbeat running; the worker's first registration is
-  deferred to the heartbeat's recovery callback, which sends it once the server answers;
+  deferred to the heartbeat's recovery callback, which sends it once the server answers (these
+  two reach into LMCache's adapters: :mod:`kvpersist.serving.lmcache_compat.adapters`, feature
+  ``late_attach``);
 * the scheduler attaches only when the server's ``/status`` lists this engine's namespace
   registered by as many workers as the engine has (:class:`RegistrationWatch`).
 
@@ -25,81 +27,15 @@ Invariants
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import re
 import threading
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import http
+from .lmcache_compat.status import registrations
 
 logger = logging.getLogger("vllm.kvpersist.late_attach")
-
-#: The /status sections that list registered engines (CUDA and CPU transfer contexts).
-REGISTRATION_SECTIONS = ("cache_context_meta", "non_cuda_context_meta")
-
-
-@contextlib.contextmanager
-def chunk_size_without_server(chunk_size: int) -> Iterator[None]:
-    """Within the block, LMCache's adapters take ``chunk_size`` instead of asking the server.
-    Used only around the connector's construction (vLLM builds connectors one at a time)."""
-    from lmcache.integration.vllm import vllm_multi_process_adapter as adapters
-
-    original = adapters.get_lmcache_chunk_size
-
-    def known(_client: Any, timeout: float | None = None) -> int:
-        return chunk_size
-
-    adapters.get_lmcache_chunk_size = known
-    try:
-        yield
-    finally:
-        adapters.get_lmcache_chunk_size = original
-
-
-def start_scheduler_unhealthy(adapter: Any) -> None:
-    """Mark every server unhealthy and start the heartbeat that will notice it answering."""
-    for event in adapter._health_events.values():
-        event.clear()
-    adapter._ensure_heartbeat_started()
-
-
-def defer_worker_registration(adapter: Any) -> None:
-    """The worker's first KV-cache registration is kept for the heartbeat's recovery callback
-    (LMCache's own re-registration path) instead of being sent to a server that is not there."""
-    adapter._health_event.clear()
-
-    def deferred(kv_caches: Any) -> None:
-        adapter.kv_caches = kv_caches
-        del adapter._send_register_kv_caches_request  # the class's method from now on
-        adapter._ensure_heartbeat_started()
-        logger.warning("kvpersist: KV caches kept for registration once the LMCache server "
-                       "answers (worker %s)", getattr(adapter, "instance_id", "?"))
-
-    adapter._send_register_kv_caches_request = deferred
-
-
-_NAMESPACE = re.compile(r"kvp-[0-9a-f]{32}")
-
-
-def registered_namespaces(status: Mapping[str, Any]) -> Counter[str]:
-    """Namespace -> how many engine contexts registered with the server carry it, read from a
-    server ``/status`` (one count per worker; ``kvp-admin`` reads the active set from it)."""
-    found: Counter[str] = Counter()
-    for section in REGISTRATION_SECTIONS:
-        entries = status.get(section)
-        if isinstance(entries, Mapping):
-            for entry in entries.values():
-                found.update(set(_NAMESPACE.findall(json.dumps(entry))))
-    return found
-
-
-def registrations(status: Mapping[str, Any], namespace: str) -> int:
-    """How many registered engine contexts in a server ``/status`` carry ``namespace``."""
-    return registered_namespaces(status)[namespace]
 
 
 class RegistrationWatch:

@@ -36,12 +36,12 @@ import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from ..config.adapters import refuse_lossy_serde
 from ..config.values import SettingsError
-from . import cpu_priority, fault_injection
+from . import cpu_priority
+from .lmcache_compat import fault_injection, unix_endpoints
 
 
 class SocketPathError(RuntimeError):
@@ -97,30 +97,10 @@ def bind_http_socket(path: Path, mode: int, gid: int | None) -> socket.socket:
 
 def install(request_socket: Path, http_socket: Path, mode: int, gid: int | None) -> None:
     """Make LMCache's server listen on the two sockets (see the module invariants)."""
-    import uvicorn
-    from lmcache.v1.multiprocess import http_server
-    from lmcache.v1.multiprocess.transport.zmq_impl import server as zmq_server
-
-    base_queue_server: Any = zmq_server.MessageQueueServer
-
-    class UnixMessageQueueServer(base_queue_server):  # type: ignore[misc, valid-type]
-        def __init__(self, bind_url: str, context: Any) -> None:
-            clear_stale_socket(request_socket)
-            super().__init__(f"ipc://{request_socket}", context)
-            _restrict(request_socket, mode, gid)
-
-    zmq_server.MessageQueueServer = UnixMessageQueueServer  # type: ignore[misc]
-
     listener = bind_http_socket(http_socket, mode, gid)
-
-    class UnixSocketConfig(uvicorn.Config):
-        def __init__(self, app: Any, **kwargs: Any) -> None:
-            kwargs.pop("host", None)
-            kwargs.pop("port", None)
-            super().__init__(app, fd=listener.fileno(), **kwargs)
-
-    http_server.uvicorn = SimpleNamespace(  # type: ignore[attr-defined]
-        Config=UnixSocketConfig, Server=uvicorn.Server)
+    unix_endpoints.install(request_socket, listener,
+                           before_bind=lambda: clear_stale_socket(request_socket),
+                           after_bind=lambda: _restrict(request_socket, mode, gid))
 
 
 def parse_mode(text: str) -> int:
@@ -204,13 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.restore_window_gb is not None:
         if args.restore_window_gb < 0:
             parser.error("--restore-window-gb must be 0 or positive")
-        from . import l1_streaming
+        from .lmcache_compat import l1_streaming
 
         l1_streaming.install(int(args.restore_window_gb * 2**30))
     if args.request_socket is not None:
         try:
             install(args.request_socket, args.http_socket, args.socket_mode, args.socket_group)
-        except (SocketPathError, OSError) as exc:
+        except (SocketPathError, unix_endpoints.EndpointsError, OSError) as exc:
             print(f"kvpersist: cannot listen on {args.http_socket.parent}: {exc}",
                   file=sys.stderr)
             return 2

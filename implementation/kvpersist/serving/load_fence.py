@@ -31,7 +31,8 @@ Invariants
   reply given up (:mod:`kvpersist.serving.transfer_wait`) is never written.
 
 The fence is installed per worker adapter instance; it replaces no LMCache code, it calls
-LMCache's own method on a view of the adapter (:class:`_AdapterView`).
+LMCache's own method on a view of the adapter
+(:class:`kvpersist.serving.lmcache_compat.adapters.AdapterView`, feature ``load_fence``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import http
+from .lmcache_compat import adapters as lmcache_adapters
 from .served_prefix import ServedPrefixKeeper
 from .server_process import ServerProcess, listener_of
 
@@ -54,28 +56,6 @@ FAILED_LOAD_REASONS = ("server_error", "server_gone", "unhealthy_at_submit")
 #: How often transfers in flight are checked for a gone server while the heartbeat is healthy
 #: (a server restarted faster than a heartbeat notices).
 HEALTHY_CHECK_S = 1.0
-
-
-class _AdapterView:
-    """The adapter as LMCache's method sees it: ``overrides`` shadow attributes (reads and
-    writes), everything else is the adapter's own object."""
-
-    def __init__(self, adapter: Any, **overrides: Any) -> None:
-        object.__setattr__(self, "_kvp_adapter", adapter)
-        object.__setattr__(self, "_kvp_own", overrides)
-
-    def __getattr__(self, name: str) -> Any:
-        own = object.__getattribute__(self, "_kvp_own")
-        if name in own:
-            return own[name]
-        return getattr(object.__getattribute__(self, "_kvp_adapter"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        own = object.__getattribute__(self, "_kvp_own")
-        if name in own:
-            own[name] = value
-        else:
-            setattr(object.__getattribute__(self, "_kvp_adapter"), name, value)
 
 
 def _settled(future: Any) -> bool:
@@ -172,8 +152,8 @@ class LoadFence:
         self._tag(flight)
         healthy = bool(adapter.is_healthy)
         orphans = self._orphans(flight, healthy) if flight else set()
-        dropped = len(adapter._dropped_retrieves)
-        failed_before = set(adapter._failed_request_ids)
+        dropped = lmcache_adapters.dropped_retrieve_count(adapter)
+        failed_before = lmcache_adapters.failed_request_ids(adapter)
         # block lists by reference, only where a failed load may keep its served part
         retrieving = ({rid: blocks for rid, (_f, blocks) in list(adapter.retrieve_futures.items())}
                       if self._keeper is not None else {})
@@ -184,7 +164,7 @@ class LoadFence:
             return result
         if not healthy:
             self._note_held(flight, orphans)
-        settled = original(_AdapterView(adapter, is_healthy=True), *args)
+        settled = original(lmcache_adapters.healthy_view(adapter), *args)
         self._count_failed(failed_before, dropped)
         self._keep_served(retrieving, failed_before)
         if not orphans:
@@ -209,7 +189,7 @@ class LoadFence:
         (:mod:`kvpersist.serving.served_prefix`); loads of a gone server never reach here."""
         if self._keeper is None:
             return
-        failed = {rid: retrieving[rid] for rid in set(self._adapter._failed_request_ids)
+        failed = {rid: retrieving[rid] for rid in lmcache_adapters.failed_request_ids(self._adapter)
                   - failed_before if rid in retrieving}
         if failed:
             self._keeper.keep(failed)
@@ -217,7 +197,7 @@ class LoadFence:
     def _count_failed(self, failed_before: set[str], dropped: int) -> None:
         """Record what LMCache's method just reported failed: ``dropped`` loads never sent, the
         rest failed by the server's own answer."""
-        new = len(set(self._adapter._failed_request_ids) - failed_before)
+        new = len(lmcache_adapters.failed_request_ids(self._adapter) - failed_before)
         if dropped:
             self._record("unhealthy_at_submit", dropped)
         if new - dropped > 0:
@@ -229,22 +209,8 @@ class LoadFence:
         adapter = self._adapter
         retrieves = {flight[k][1] for k in orphans if flight[k][0] == "retrieve"}
         stores = {flight[k][1] for k in orphans if flight[k][0] == "store"}
-        view = _AdapterView(
-            adapter, is_healthy=False, _dropped_retrieves=set(),
-            retrieve_futures={r: adapter.retrieve_futures[r] for r in retrieves},
-            store_futures={s: adapter.store_futures[s] for s in stores},
-            retrieve_events={r: e for r, e in adapter.retrieve_events.items() if r in retrieves},
-            store_events={s: e for s, e in adapter.store_events.items() if s in stores},
-            _pending_store_kv_events={s: e for s, e in adapter._pending_store_kv_events.items()
-                                      if s in stores})
-        result = original(view, *args)
-        for rid in retrieves:
-            adapter.retrieve_futures.pop(rid, None)
-            adapter.retrieve_events.pop(rid, None)
-        for rid in stores:
-            adapter.store_futures.pop(rid, None)
-            adapter.store_events.pop(rid, None)
-            adapter._pending_store_kv_events.pop(rid, None)
+        result = original(lmcache_adapters.drain_view(adapter, retrieves, stores), *args)
+        lmcache_adapters.forget_transfers(adapter, retrieves, stores)
         self.released_gone += len(orphans)
         if retrieves:
             self._record("server_gone", len(retrieves))

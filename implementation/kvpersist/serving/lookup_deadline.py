@@ -38,24 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import http
+from .lmcache_compat.status import progress_token
 
 Clock = Callable[[], float]
-
-
-def progress_token(status: Mapping[str, Any]) -> tuple[float, ...]:
-    """The counters of the server's ``/status`` that move while a restore progresses."""
-    manager = status.get("storage_manager") or {}
-    adapters = manager.get("l2_adapters") or []
-    l1 = (manager.get("l1_managers") or {}).values()
-    prefetch = manager.get("prefetch_controller") or {}
-    return (
-        float(sum(a.get("read_bytes", 0) or 0 for a in adapters if isinstance(a, Mapping))),
-        float(sum(a.get("loaded_bytes", 0) or 0 for a in adapters if isinstance(a, Mapping))),
-        float(sum((m.get("memory_used_bytes", 0) or 0) + (m.get("staging_bytes", 0) or 0)
-                  for m in l1 if isinstance(m, Mapping))),
-        float(prefetch.get("completed_results_count", 0) or 0),
-        float(prefetch.get("load_phase_count", 0) or 0),
-    )
 
 
 @dataclass(frozen=True)

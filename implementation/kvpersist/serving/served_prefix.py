@@ -1,6 +1,6 @@
 """A restore the server cut short keeps what it served: the worker's side of the cut.
 
-A streamed restore (:mod:`kvpersist.serving.l1_streaming`) that meets a file failing its check
+A streamed restore (:mod:`kvpersist.serving.lmcache_compat.l1_streaming`) that meets a file failing its check
 in the middle has already written its first chunks into vLLM's KV memory, each by a completed
 LMCache retrieve.  LMCache's worker adapter turns the failed reply into load errors for *every*
 block of the retrieve, so vLLM would recompute the whole prefix.  The server records how many

@@ -23,24 +23,21 @@ Invariants
   ``base_s`` (LMCache's ``mq_timeout``), as LMCache does, and given up as soon as the server is
   gone or the heartbeat says unhealthy: a lost store is a later miss, never worth a request's
   latency (LMCache's worker drops stores itself while unhealthy).
-* Each replaced method is LMCache 0.5.6's own apart from the wait, statement for statement
-  (``tests/serving/test_transfer_wait.py`` checks the methods are still the ones it was written
-  against); where they are not, nothing is replaced and LMCache's fixed timeouts apply.
+* The policy reaches LMCache through :mod:`kvpersist.serving.lmcache_compat.pickle_transport`,
+  whose four methods are LMCache 0.5.6's own apart from the wait, statement for statement; where
+  LMCache's differ (feature ``pickle_waits``), nothing is replaced and LMCache's fixed timeouts
+  apply.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import pickle
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("vllm.kvpersist.transfer_wait")  # inherits vLLM's log handler
 Clock = Callable[[], float]
-REPLACED = ("prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve")
 
 
 def never_gone() -> bool:
@@ -124,90 +121,3 @@ class ServerWait:
             if self.receipts_abandoned & (self.receipts_abandoned - 1) == 0:  # 1, 2, 4, ...
                 logger.warning("kvpersist: a store's receipt is given up after %.1fs (%s; %d so "
                                "far)", waited, reason, self.receipts_abandoned)
-
-
-_installed: ServerWait | None = None
-_originals: dict[str, Any] = {}
-_install_lock = threading.Lock()
-
-
-def _policy_result(transport: Any, future: Any, *, restore: bool) -> Any:
-    """``future``'s result under the installed policy (LMCache's own timeout without one)."""
-    policy = _installed
-    if policy is None:
-        return future.result(timeout=transport.mq_timeout)
-    return policy.reply(future) if restore else policy.receipt(future)
-
-
-def prepare_store(self: Any, key: Any, instance_id: int) -> Any:
-    future = self.req_client.prepare_store(key, instance_id)
-    with contextlib.suppress(TimeoutError):
-        _policy_result(self, future, restore=False)
-    return None
-
-
-def commit_store(self: Any, key: Any, instance_id: int, chunks: list[Any]) -> bool:
-    serialised = pickle.dumps(chunks)
-    future = self.req_client.commit_store(key, instance_id, serialised)
-    try:
-        return bool(_policy_result(self, future, restore=False))
-    except TimeoutError:
-        return False
-
-
-def prepare_retrieve(self: Any, key: Any, instance_id: int) -> Any:
-    future = self.req_client.prepare_retrieve(key, instance_id)
-    try:
-        response = _policy_result(self, future, restore=True)
-    except TimeoutError:
-        return None
-    if not response.success or not response.data:
-        return None
-    return pickle.loads(response.data)
-
-
-def commit_retrieve(self: Any, key: Any, instance_id: int) -> bool:
-    future = self.req_client.commit_retrieve(key, instance_id)
-    with contextlib.suppress(TimeoutError):
-        _policy_result(self, future, restore=False)
-    return True
-
-
-_REPLACEMENTS: dict[str, Callable[..., Any]] = {
-    "prepare_store": prepare_store, "commit_store": commit_store,
-    "prepare_retrieve": prepare_retrieve, "commit_retrieve": commit_retrieve}
-
-
-def install(wait: ServerWait) -> bool:
-    """Make LMCache's pickle transport wait by ``wait`` in this process.  Returns False (and
-    changes nothing) when LMCache's methods are not the expected ones."""
-    global _installed
-    from lmcache.v1.multiprocess.transfer_context import pickle as transport
-
-    cls = transport.EngineDrivenContextPickle
-    with _install_lock:
-        if not _originals:
-            unknown = [name for name in REPLACED if getattr(getattr(cls, name, None),
-                                                            "__qualname__", "")
-                       != f"EngineDrivenContextPickle.{name}"]
-            if unknown:
-                logger.warning("kvpersist: LMCache's pickle transport is not the one kvpersist "
-                               "knows (%s); its waits stay KVP_MQ_TIMEOUT_S", ", ".join(unknown))
-                return False
-            for name in REPLACED:
-                _originals[name] = getattr(cls, name)
-                setattr(cls, name, _REPLACEMENTS[name])
-        _installed = wait
-    return True
-
-
-def uninstall() -> None:
-    """Give LMCache its own methods back (tests that install a policy in their own process)."""
-    global _installed
-    from lmcache.v1.multiprocess.transfer_context import pickle as transport
-
-    with _install_lock:
-        for name, method in _originals.items():
-            setattr(transport.EngineDrivenContextPickle, name, method)
-        _originals.clear()
-        _installed = None

@@ -32,8 +32,9 @@ places and nowhere else (the rules are :mod:`kvpersist.serving.restore_window`):
 they cannot stream in this version: their lookups are never windowed and get the longest
 prefix that fits (1.), with the shortfall logged and counted (``cut_short``).
 
-:data:`PATCHED` lists every LMCache function these hooks rely on; the contract test pins their
-source so an LMCache upgrade that changes them fails the tests instead of restores.
+:data:`FEATURE` (``l1_window`` in :mod:`.pins`) lists every LMCache function these hooks rely
+on, pinned by source: when one changed, :func:`install` installs nothing, and the server keeps
+LMCache's own restore path (the contract test fails first).
 """
 
 from __future__ import annotations
@@ -47,82 +48,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import restore_window as rules
-from .restore_window import RestoreStats, WindowPlan
+from .. import restore_window as rules
+from ..restore_window import RestoreStats, WindowPlan
+from . import pins
+
+FEATURE = "l1_window"
 
 logger = logging.getLogger("kvpersist.l1_window")
-
-#: (module, qualified name) of each LMCache function wrapped or relied upon here.
-PATCHED = (
-    ("lmcache.v1.distributed.storage_manager", "StorageManager.__init__"),
-    ("lmcache.v1.distributed.storage_manager", "StorageManager.submit_prefetch_task"),
-    ("lmcache.v1.distributed.l1_manager", "L1Manager.reserve_write"),
-    ("lmcache.v1.distributed.l1_manager", "L1Manager.delete"),
-    ("lmcache.v1.distributed.l1_manager", "L1Manager.is_key_evictable"),
-    ("lmcache.v1.distributed.storage_controllers.prefetch_controller",
-     "PrefetchController._plan_load"),
-    ("lmcache.v1.distributed.storage_controllers.prefetch_controller",
-     "PrefetchController._transition_to_load_phase"),
-    ("lmcache.v1.distributed.storage_controllers.prefetch_controller",
-     "PrefetchController._finish_request"),
-    ("lmcache.v1.multiprocess.modules.lookup", "LookupModule._consume_prefetch_result"),
-    ("lmcache.v1.multiprocess.modules.lookup", "LookupModule.free_lookup_locks"),
-    ("lmcache.v1.multiprocess.modules.lookup", "LookupModule.lookup"),
-    ("lmcache.v1.multiprocess.modules.lookup", "LookupModule.end_session"),
-    ("lmcache.v1.multiprocess.modules.lmcache_driven_transfer",
-     "LMCacheDrivenTransferModule.retrieve"),
-    ("lmcache.v1.multiprocess.modules.lmcache_driven_transfer",
-     "LMCacheDrivenTransferModule.register_kv_cache"),
-    ("lmcache.v1.multiprocess.modules.engine_driven_transfer",
-     "EngineDrivenTransferModule.register_kv_cache_engine_driven_context"),
-)
-
-#: sha256 (first 16 hex) of the source of each :data:`PATCHED` function in LMCache 0.5.6.
-SOURCE_SHA256 = {
-    "StorageManager.__init__": "d1310d3b427ae8c7",
-    "StorageManager.submit_prefetch_task": "4f7a6a24df02315e",
-    "L1Manager.reserve_write": "92aa6693be1b6bf5",
-    "L1Manager.delete": "de0bcb0ea8f18113",
-    "L1Manager.is_key_evictable": "8360fe56ddcfc4c1",
-    "PrefetchController._plan_load": "38200dae27764a35",
-    "PrefetchController._transition_to_load_phase": "176a1ab4ad572d1a",
-    "PrefetchController._finish_request": "db9c82d58fa6bf8b",
-    "LookupModule._consume_prefetch_result": "ad3e49697611b1bc",
-    "LookupModule.free_lookup_locks": "62c7782ceca92d63",
-    "LookupModule.lookup": "cc6898d036d4ec36",
-    "LookupModule.end_session": "d9f6f8b075f5028e",
-    "LMCacheDrivenTransferModule.retrieve": "8929e879f367e932",
-    "LMCacheDrivenTransferModule.register_kv_cache": "c8c05d9edf7277c9",
-    "EngineDrivenTransferModule.register_kv_cache_engine_driven_context": "b1dc37f4e3267f5a",
-}
-
-
-def _undecorated(obj: Any, name: str) -> Any:
-    """The function a decorator wraps (``__wrapped__`` or the closure's function of ``name``)."""
-    for _ in range(8):
-        inner = getattr(obj, "__wrapped__", None)
-        if inner is None:
-            cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ())
-                     if callable(getattr(c, "cell_contents", None))]
-            inner = next((f for f in cells if getattr(f, "__name__", "") == name), None)
-        if inner is None:
-            return obj
-        obj = inner
-    return obj
-
-
-def source_digest(module: str, qualname: str) -> str:
-    """The digest :data:`SOURCE_SHA256` records for ``module``'s ``qualname`` as installed."""
-    import hashlib
-    import importlib
-    import inspect
-
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    source = inspect.getsource(_undecorated(obj, qualname.rsplit(".", 1)[-1]))
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
-
 
 #: How long a streamed window short of L1 is tried again while earlier windows are released.
 WINDOW_RETRY_S = 30.0
@@ -530,8 +462,11 @@ def _wrap(cls: Any, name: str, make: Callable[[Callable[..., Any]], Callable[...
     setattr(cls, name, wrapper)
 
 
-def install(window_bytes: int) -> L1Window:
-    """Install the hooks in this (server) process; returns the window state."""
+def install(window_bytes: int) -> L1Window | None:
+    """Install the hooks in this (server) process; returns the window state, or None (nothing
+    installed, one line logged) when LMCache's pinned functions changed."""
+    if not pins.available(FEATURE):
+        return None
     from lmcache.v1.distributed import storage_manager as sm_mod
     from lmcache.v1.multiprocess.modules import engine_driven_transfer as ed
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ld
@@ -556,7 +491,7 @@ def install(window_bytes: int) -> L1Window:
           lambda orig: _registering(orig, window))
     _wrap(ed.EngineDrivenTransferModule, "register_kv_cache_engine_driven_context",
           lambda orig: _registering_engine_driven(orig, window))
-    from . import restore_metrics
+    from .. import restore_metrics
 
     restore_metrics.bind(window.stats.snapshot)
     from lmcache.v1.multiprocess import http_server

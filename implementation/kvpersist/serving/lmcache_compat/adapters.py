@@ -1,0 +1,184 @@
+"""The private state of LMCache's MP connector and its scheduler and worker adapters, read and
+changed only here.
+
+LMCache 0.5.6 keeps what kvpersist needs to guard a transfer in attributes set by the adapters'
+constructors (``_heartbeat_interval``, ``_mq_timeout``, ``_health_event(s)``,
+``_dropped_retrieves``, ``_failed_request_ids``, ``_pending_store_kv_events``) and in the
+connector's request trackers.  Each accessor belongs to a feature of :mod:`.pins`, whose pinned
+constructors set these attributes.
+
+Invariants
+----------
+* An attribute that is not there raises :class:`CompatError` naming it: there is no silent
+  default (a guessed heartbeat or timeout would make every long restore look stalled, or a
+  dead server look alive).  The connector turns it into a closed gate.
+* :class:`AdapterView` shadows attributes only for the one call it is passed to; the adapter
+  itself is changed only by :func:`forget_transfers` and the late-attach deferral.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+logger = logging.getLogger("vllm.kvpersist.lmcache_compat")
+
+
+class CompatError(RuntimeError):
+    """An LMCache internal kvpersist relies on is not there."""
+
+
+def _attribute(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise CompatError(f"LMCache's {type(obj).__name__} has no {name} (kvpersist was written "
+                          "against LMCache 0.5.6)") from None
+
+
+# -- heartbeat and timeouts (both adapters)
+def heartbeat_interval_s(adapter: Any) -> float:
+    """Seconds between the adapter's heartbeat pings (``lmcache.mp.heartbeat_interval``)."""
+    return float(_attribute(adapter, "_heartbeat_interval"))
+
+
+def mq_timeout_s(adapter: Any) -> float:
+    """The adapter's per-request wait (``lmcache.mp.mq_timeout``)."""
+    return float(_attribute(adapter, "_mq_timeout"))
+
+
+# -- the worker's transfers in flight (feature load_fence)
+class AdapterView:
+    """The adapter as one of LMCache's methods sees it: ``overrides`` shadow attributes (reads
+    and writes), everything else is the adapter's own object."""
+
+    def __init__(self, adapter: Any, **overrides: Any) -> None:
+        object.__setattr__(self, "_kvp_adapter", adapter)
+        object.__setattr__(self, "_kvp_own", overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        own = object.__getattribute__(self, "_kvp_own")
+        if name in own:
+            return own[name]
+        return getattr(object.__getattribute__(self, "_kvp_adapter"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        own = object.__getattribute__(self, "_kvp_own")
+        if name in own:
+            own[name] = value
+        else:
+            setattr(object.__getattribute__(self, "_kvp_adapter"), name, value)
+
+
+def dropped_retrieve_count(adapter: Any) -> int:
+    """Retrieves dropped at submit (never sent) that ``get_finished`` has yet to report."""
+    return len(_attribute(adapter, "_dropped_retrieves"))
+
+
+def failed_request_ids(adapter: Any) -> set[str]:
+    """Requests whose load ``get_finished`` has reported failed so far (a copy)."""
+    return set(_attribute(adapter, "_failed_request_ids"))
+
+
+def healthy_view(adapter: Any) -> AdapterView:
+    """The adapter as if its heartbeat were healthy: ``get_finished`` then judges each
+    transfer by the server's answer, and holds the ones not answered."""
+    return AdapterView(adapter, is_healthy=True)
+
+
+def drain_view(adapter: Any, retrieves: set[str], stores: set[str]) -> AdapterView:
+    """The adapter as if unhealthy and holding only ``retrieves`` and ``stores``: LMCache's
+    unhealthy branch of ``get_finished`` then reports exactly those as finished (failed loads,
+    dropped stores)."""
+    pending = _attribute(adapter, "_pending_store_kv_events")
+    return AdapterView(
+        adapter, is_healthy=False, _dropped_retrieves=set(),
+        retrieve_futures={r: adapter.retrieve_futures[r] for r in retrieves},
+        store_futures={s: adapter.store_futures[s] for s in stores},
+        retrieve_events={r: e for r, e in adapter.retrieve_events.items() if r in retrieves},
+        store_events={s: e for s, e in adapter.store_events.items() if s in stores},
+        _pending_store_kv_events={s: e for s, e in pending.items() if s in stores})
+
+
+def forget_transfers(adapter: Any, retrieves: Iterable[str], stores: Iterable[str]) -> None:
+    """Remove transfers a :func:`drain_view` call reported from the adapter's own books."""
+    pending = _attribute(adapter, "_pending_store_kv_events")
+    for rid in retrieves:
+        adapter.retrieve_futures.pop(rid, None)
+        adapter.retrieve_events.pop(rid, None)
+    for rid in stores:
+        adapter.store_futures.pop(rid, None)
+        adapter.store_events.pop(rid, None)
+        pending.pop(rid, None)
+
+
+# -- late attach (feature late_attach)
+@contextlib.contextmanager
+def chunk_size_without_server(chunk_size: int) -> Iterator[None]:
+    """Within the block, LMCache's adapters take ``chunk_size`` instead of asking the server.
+    Used only around the connector's construction (vLLM builds connectors one at a time)."""
+    from lmcache.integration.vllm import vllm_multi_process_adapter as adapters
+
+    original = adapters.get_lmcache_chunk_size
+
+    def known(_client: Any, timeout: float | None = None) -> int:
+        return chunk_size
+
+    adapters.get_lmcache_chunk_size = known
+    try:
+        yield
+    finally:
+        adapters.get_lmcache_chunk_size = original
+
+
+def start_scheduler_unhealthy(adapter: Any) -> None:
+    """Mark every server unhealthy and start the heartbeat that will notice it answering."""
+    for event in _attribute(adapter, "_health_events").values():
+        event.clear()
+    adapter._ensure_heartbeat_started()
+
+
+def defer_worker_registration(adapter: Any) -> None:
+    """The worker's first KV-cache registration is kept for the heartbeat's recovery callback
+    (LMCache's own re-registration path) instead of being sent to a server that is not there."""
+    _attribute(adapter, "_health_event").clear()
+
+    def deferred(kv_caches: Any) -> None:
+        adapter.kv_caches = kv_caches
+        del adapter._send_register_kv_caches_request  # the class's method from now on
+        adapter._ensure_heartbeat_started()
+        logger.warning("kvpersist: KV caches kept for registration once the LMCache server "
+                       "answers (worker %s)", getattr(adapter, "instance_id", "?"))
+
+    adapter._send_register_kv_caches_request = deferred
+
+
+# -- the connector's request trackers (feature lookup_control)
+def mark_bypassed(connector: Any, request: Any) -> Any | None:
+    """Mark ``request`` as bypassing LMCache (no load, no store) in ``connector``'s tracker.
+    Returns the tracker as it was (for releasing the lookup), or None if it already bypassed."""
+    from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
+
+    tracker = connector._get_or_create_request_tracker(request)
+    if tracker.state == LMCacheMPRequestState.BYPASS_LMCACHE:
+        return None
+    return tracker
+
+
+def finish_bypass(tracker: Any) -> None:
+    from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
+
+    tracker.num_lmcache_hit_tokens = 0
+    tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+
+
+def replace_connector_stats(connector: Any, stats: Any) -> None:
+    """``connector``'s stats object (vLLM's /metrics for the connector) becomes ``stats``."""
+    _attribute(connector, "_connector_stats")
+    connector._connector_stats = stats
+
+
+def connector_stats(connector: Any) -> Any:
+    return _attribute(connector, "_connector_stats")

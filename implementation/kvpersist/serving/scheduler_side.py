@@ -1,0 +1,179 @@
+"""The scheduler's part of kvpersist's connector: when a lookup is abandoned, and what an
+abandoned lookup leaves behind.
+
+vLLM builds one connector per process and role; in the scheduler's this object holds the state
+only the scheduler has (the lookup deadlines, the progress probe, the late-attach watch), as
+vLLM's own ``OffloadingConnectorScheduler`` does.  The worker's part is
+:mod:`kvpersist.serving.worker_side`.
+
+Invariants
+----------
+* A lookup is abandoned, and the request bypasses the cache (recomputed, nothing stored), when
+  the heartbeat says the server is down, after ``kvpersist.lookup_timeout_s`` without progress,
+  or after ``kvpersist.lookup_max_s`` in all (:mod:`kvpersist.serving.lookup_deadline`).
+* Until a late-attaching engine has attached, no lookup is made (no hit is promised) and no
+  store is sent.
+* While the heartbeat says the server is down, stores are dropped from the step's metadata
+  (unless LMCache's lazy offload expects one receipt per store) and counted in ``/metrics``.
+* An abandoned lookup's L1 locks are released on a live server (a courtesy: the read-lock TTL
+  is the backstop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config.client import ConnectorOptions
+from ..identity import CacheIdentity
+from . import http
+from .connector_metrics import KvPersistConnectorStats
+from .late_attach import RegistrationWatch
+from .lmcache_compat import adapters as lmcache_adapters
+from .lookup_deadline import LookupDeadline, ServerProgressProbe
+
+logger = logging.getLogger("vllm.kvpersist.connector")
+
+LookupResult = tuple[int | None, bool]
+
+
+def dead_after_s(heartbeat_s: float) -> float:
+    """How long the heartbeat must say *unhealthy* without a break before a live-looking
+    server is taken for dead: several missed beats, and never under 5 s."""
+    return max(3 * heartbeat_s, 5.0)
+
+
+class GoneCache:
+    """``http.refuses_connections(url)``, asked at most every ``every_s`` (it is called on the
+    scheduler's thread for every pending lookup of every step)."""
+
+    def __init__(self, url: str | None, every_s: float = 0.25) -> None:
+        self._url = url
+        self._every_s = every_s
+        self._at = float("-inf")
+        self._gone = False
+
+    def __call__(self) -> bool:
+        if self._url is None:
+            return False
+        now = time.monotonic()
+        if now - self._at >= self._every_s:
+            self._gone = http.refuses_connections(self._url)
+            self._at = now
+        return self._gone
+
+
+class SchedulerSide:
+    """kvpersist's state in the scheduler's connector (see module invariants)."""
+
+    def __init__(self, connector: Any, options: ConnectorOptions, identity: CacheIdentity,
+                 stats: KvPersistConnectorStats, *, workers: int, attach_late: bool) -> None:
+        self._connector = connector
+        self._adapter = connector.scheduler_adapter
+        self._stats = stats
+        self.deadline = LookupDeadline(
+            options.lookup_timeout_s, options.lookup_max_s,
+            dead_after_s=dead_after_s(lmcache_adapters.heartbeat_interval_s(self._adapter)))
+        self._server_gone = GoneCache(options.http_url)
+        self._probe: ServerProgressProbe | None = None
+        self._watch: RegistrationWatch | None = None
+        if options.http_url:
+            status_url = options.http_url.rstrip("/") + "/status"
+            self._probe = ServerProgressProbe(status_url, self.deadline)
+            if attach_late:
+                self._watch = RegistrationWatch(status_url, identity.namespace, workers=workers)
+        if attach_late:
+            lmcache_adapters.start_scheduler_unhealthy(self._adapter)
+
+    @property
+    def attached(self) -> bool:
+        return self._watch is None or self._watch.attached
+
+    def lookup(self, request: Any, lmcache_lookup: Callable[[], LookupResult]) -> LookupResult:
+        """LMCache's lookup (``lmcache_lookup``) under the deadline; ``(0, False)`` when the
+        request bypasses, ``(None, False)`` while it waits for a live server."""
+        rid = request.request_id
+        if not self.attached:  # an engine started before the server: computed, no lookup
+            self._skip(request)
+            return 0, False
+        self.deadline.begin(rid)
+        healthy = bool(self._adapter.is_healthy)
+        verdict = self.deadline.verdict(rid, healthy=healthy,
+                                        gone=not healthy and self._server_gone())
+        if verdict is not None:
+            why = verdict.text
+            if self._probe is not None:
+                why += f"; {self._probe.describe()}"
+            self._bypass(request, why, verdict.reason)
+            return 0, False
+        if not healthy:
+            # Missed beats of a live server: LMCache would answer 0 hits and drop the lookup;
+            # the deadline above decides when it is dead (a refused socket, or unhealthy for
+            # dead_after_s without progress).  Until then the request waits.
+            return None, False
+        result = lmcache_lookup()
+        if result[0] is not None:
+            self.deadline.end(rid)
+        return result
+
+    def finished(self, request: Any) -> None:
+        self.deadline.end(request.request_id)
+
+    def drop_stores_while_down(self, metadata: Any, lazy_offload: bool) -> None:
+        """Remove the step's stores from ``metadata`` while the heartbeat says the server is
+        down: a worker would otherwise block up to ``lmcache.mp.mq_timeout`` twice (prepare
+        and commit) per store sent to a dead server before its own heartbeat notices."""
+        if self._adapter.is_healthy or lazy_offload:
+            return
+        requests = getattr(metadata, "requests", [])
+        kept = [r for r in requests if getattr(r, "direction", None) != "STORE"]
+        if len(kept) != len(requests):
+            self._stats.record_dropped_stores("server_down", len(requests) - len(kept))
+            metadata.requests = kept
+
+    def _skip(self, request: Any) -> bool:
+        """Mark ``request`` as bypassing LMCache (no load, no store); False if it already was."""
+        rid = request.request_id
+        self.deadline.end(rid)
+        tracker = lmcache_adapters.mark_bypassed(self._connector, request)
+        if tracker is None:
+            return False
+        self._adapter.cleanup_lookup_result(rid)
+        self._release_lookup(request, tracker)
+        lmcache_adapters.finish_bypass(tracker)
+        return True
+
+    def _release_lookup(self, request: Any, tracker: Any) -> None:
+        """Tell a live server that a lookup is given up, so that it returns the L1 buffers
+        the lookup's prefetch holds (at once, or when a running load ends) instead of after the
+        read-lock TTL.  Nothing is sent to a server the heartbeat calls down."""
+        adapter = self._adapter
+        if not adapter.is_healthy or not self.attached:
+            return
+        chunk = int(getattr(adapter, "lmcache_tokens_per_chunk", 0) or 0)
+        try:
+            tokens = tracker.get_token_ids()
+            end = len(tokens) // chunk * chunk if chunk else len(tokens)
+            if end > 0:
+                adapter.free_lookup_locks(token_ids=tokens, start=0, end=end,
+                                          request_id=request.request_id,
+                                          cache_salt=tracker.cache_salt,
+                                          request_configs=tracker.request_configs)
+        except Exception:  # the release is a courtesy; the TTL remains the backstop
+            logger.exception("kvpersist: releasing the lookup of request %s failed",
+                             request.request_id)
+
+    def _bypass(self, request: Any, why: str, reason: str) -> None:
+        if not self._skip(request):
+            return
+        self._stats.record_bypass(reason)
+        logger.warning("kvpersist: request %s bypasses the KV cache (%s); it is recomputed",
+                       request.request_id, why)
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+        if self._watch is not None:
+            self._watch.close()

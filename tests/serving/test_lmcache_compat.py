@@ -1,0 +1,138 @@
+"""The contract with LMCache's and vLLM's internals (:mod:`kvpersist.serving.lmcache_compat`):
+every function kvpersist relies on is the one it was written against, every private attribute
+it reads is set where the pinned code sets it, vLLM's class-level calls are answered, and a
+changed function turns its feature off (closing the gate where exactness depends on it)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpersist.serving import connector as connector_module
+from kvpersist.serving.lmcache_compat import adapters, pins, status
+
+SOURCES = [(f.name, module, qualname, digest) for f in pins.FEATURES.values()
+           for module, qualname, digest in f.sources]
+COMPAT = Path(pins.__file__).parent
+
+
+@pytest.mark.parametrize(("feature", "module", "qualname", "digest"), SOURCES,
+                         ids=[f"{f}:{q}" for f, _, q, _ in SOURCES])
+def test_every_pinned_function_is_the_one_kvpersist_was_written_against(
+        feature: str, module: str, qualname: str, digest: str) -> None:
+    from kvpersist.serving.lmcache_compat import pickle_transport
+
+    pickle_transport.uninstall()  # a test that installed the waits must not hide LMCache's own
+    assert pins.source_digest(module, qualname) == digest, (
+        f"LMCache/vLLM changed {qualname}: review kvpersist's {feature} against it "
+        "(lmcache_compat), then update its pin")
+
+
+def test_the_installed_versions_are_the_tested_ones() -> None:
+    assert pins.installed_versions() == pins.TESTED_VERSIONS
+
+
+def test_the_digest_sees_through_lmcache_decorators() -> None:
+    # L1Manager's methods are wrapped by a lock decorator without functools.wraps: two of them
+    # must not hash to the decorator's one source.
+    digests = {pins.source_digest("lmcache.v1.distributed.l1_manager", name)
+               for name in ("L1Manager.reserve_write", "L1Manager.delete")}
+    assert len(digests) == 2
+
+
+@pytest.mark.parametrize(("qualname", "attributes"), [
+    ("LMCacheMPWorkerAdapter.__init__",
+     ["_heartbeat_interval", "_mq_timeout", "_health_event", "retrieve_futures",
+      "store_futures", "retrieve_events", "store_events", "_pending_store_kv_events",
+      "_dropped_retrieves", "_failed_request_ids", "error_block_ids", "blocks_in_chunk",
+      "instance_id", "kv_caches"]),
+    ("LMCacheMPSchedulerAdapter.__init__", ["_heartbeat_interval", "_mq_timeout",
+                                            "_health_events"]),
+    ("LMCacheMPConnector.__init__", ["_connector_stats"]),
+])
+def test_every_private_attribute_read_is_set_by_the_pinned_constructor(
+        qualname: str, attributes: list[str]) -> None:
+    module = {"LMCacheMPConnector.__init__": "lmcache.integration.vllm.lmcache_mp_connector"}.get(
+        qualname, "lmcache.integration.vllm.vllm_multi_process_adapter")
+    cls = pins.resolve(module, qualname.rsplit(".", 1)[0])
+    source = inspect.getsource(cls)  # constructors delegate to helpers of the same class
+    missing = [a for a in attributes if f"self.{a} " not in source and f"self.{a}:" not in source
+               and f"self.{a}=" not in source]
+    assert missing == [], f"{cls.__name__} no longer sets {missing}"
+
+
+def test_the_class_methods_vllm_calls_on_the_connector_class_are_answered() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    class_level = {name for name, member in vars(KVConnectorBase_V1).items()
+                   if isinstance(member, (classmethod, staticmethod))}
+    assert class_level, "vLLM's connector base has no class-level API any more?"
+    own = vars(connector_module.KvPersistConnector)
+    assert sorted(class_level - set(own)) == []
+
+
+def test_only_the_compat_package_touches_lmcache_internals() -> None:
+    """Outside lmcache_compat no kvpersist module names a private LMCache attribute."""
+    names = {"_heartbeat_interval", "_mq_timeout", "_health_events", "_health_event",
+             "_ensure_heartbeat_started", "_send_register_kv_caches_request",
+             "get_lmcache_chunk_size", "_get_or_create_request_tracker", "_connector_stats",
+             "_dropped_retrieves", "_failed_request_ids", "_pending_store_kv_events",
+             "EngineDrivenContextPickle", "MessageQueueServer", "_vllm_config",
+             "_kv_cache_config", "_plan_load", "_consume_prefetch_result"}
+    package = COMPAT.parent.parent
+    offenders = []
+    for path in package.rglob("*.py"):
+        if COMPAT in path.parents:
+            continue
+        text = path.read_text(encoding="utf-8")
+        offenders += [f"{path.relative_to(package)}: {n}" for n in names
+                      if re.search(rf"(?<![A-Za-z0-9_]){n}(?![A-Za-z0-9_])", text)]
+    assert offenders == []
+
+
+@pytest.fixture
+def changed_feature(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """``load_fence`` pinned to a digest no source has, as after an LMCache upgrade."""
+    feature = pins.FEATURES["load_fence"]
+    module, qualname, _ = feature.sources[0]
+    monkeypatch.setitem(pins.FEATURES, "load_fence", pins.Feature(
+        feature.name, feature.purpose, feature.if_off,
+        ((module, qualname, "0" * 16), *feature.sources[1:]), feature.unsafe_without))
+    pins.available.cache_clear()
+    yield "load_fence"
+    pins.available.cache_clear()
+
+
+def test_a_changed_function_turns_its_feature_off_with_one_line(
+        changed_feature: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="vllm.kvpersist.lmcache_compat"):
+        assert not pins.available(changed_feature)
+        assert not pins.available(changed_feature)  # decided once per process
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1
+    assert "load_fence is OFF" in lines[0] and "LMCacheMPWorkerAdapter.__init__" in lines[0]
+    (reason,) = pins.unsafe_reasons()
+    assert "load_fence" in reason and "gate closes" in reason
+    assert pins.available("lookup_control")  # the other features are untouched
+
+
+def test_a_missing_private_attribute_is_an_error_naming_it() -> None:
+    class Adapter:
+        _heartbeat_interval = 2
+
+    assert adapters.heartbeat_interval_s(Adapter()) == 2.0
+    with pytest.raises(adapters.CompatError, match="Adapter has no _mq_timeout"):
+        adapters.mq_timeout_s(Adapter())
+
+
+def test_status_readers_accept_any_shape() -> None:
+    for junk in ({}, {"storage_manager": []}, {"storage_manager": {"l2_adapters": {"a": 1}}},
+                 {"cache_context_meta": "garbage"}):
+        assert status.progress_token(junk) == (0.0,) * 5
+        assert status.kvpersist_adapters(junk) == []
+        assert status.registered_namespaces(junk) == {}
