@@ -27,7 +27,7 @@ from typing import Any
 
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import free_port
-from kvpersist.serving import http
+from kvpersist.serving.lmcache_compat import status as server_status
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.helpers import clear_l1
 from kvpersist.testing.lmcache_bench import BenchDriver
@@ -49,8 +49,7 @@ def pct(values: list[float], q: float) -> float:
 
 def adapter_status(s: ServerSettings) -> dict[str, Any]:
     """The first L2 adapter's status (kvpersist's or nixl_store_dynamic's)."""
-    return dict(http.get(s.http_url + "/status", timeout=30).json()["storage_manager"][
-        "l2_adapters"][0])
+    return dict(server_status.l2_adapters(server_status.fetch(s.http_url, timeout=30) or {})[0])
 
 
 def wait_count(root: Path, suffix: str, count: int, timeout: float = 60.0) -> None:

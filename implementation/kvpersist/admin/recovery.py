@@ -32,6 +32,7 @@ from typing import Any
 from ..config.environment import process_env
 from ..config.server import ServerSettings
 from ..serving import http
+from ..serving.lmcache_compat import status as server_status
 from ..serving.server import ServerError, is_healthy, start_server, stop_server
 from ..serving.vllm_client import KVP_VLLM, StreamedChat, VllmServer, metric_sum, stream_chat
 
@@ -173,8 +174,8 @@ class RecoveryTest:
             return self.check("pre", "server answers", False,
                               f"the LMCache server does not answer at {self.settings.http_url}; "
                               "start the deployment first (kvp-server start)")
-        status = http.get_object(self.settings.http_url + "/status", timeout=10.0) or {}
-        if "KvPersistL2Adapter" not in json.dumps(status.get("storage_manager", status)):
+        status = server_status.fetch(self.settings.http_url, timeout=10.0) or {}
+        if not server_status.kvpersist_adapters(status):
             return self.check("pre", "kvpersist L2 adapter", False,
                               "the server runs without the kvpersist L2 adapter "
                               f"(KVP_L2_ADAPTER={self.settings.l2_adapter}); nothing to recover")

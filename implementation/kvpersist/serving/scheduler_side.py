@@ -32,6 +32,7 @@ from . import http
 from .connector_metrics import KvPersistConnectorStats
 from .late_attach import RegistrationWatch
 from .lmcache_compat import adapters as lmcache_adapters
+from .lmcache_compat import status as server_status
 from .lookup_deadline import LookupDeadline, ServerProgressProbe
 
 logger = logging.getLogger("vllm.kvpersist.connector")
@@ -80,7 +81,7 @@ class SchedulerSide:
         self._probe: ServerProgressProbe | None = None
         self._watch: RegistrationWatch | None = None
         if options.http_url:
-            status_url = options.http_url.rstrip("/") + "/status"
+            status_url = options.http_url.rstrip("/") + server_status.PATH
             self._probe = ServerProgressProbe(status_url, self.deadline)
             if attach_late:
                 self._watch = RegistrationWatch(status_url, identity.namespace, workers=workers)

@@ -40,6 +40,7 @@ from ..config.adapters import l2_adapter_config
 from ..config.environment import process_env
 from ..config.server import NODES_DIR_NAME, ServerSettings, access_warning, node_part_names
 from . import http
+from .lmcache_compat.status import PATH as STATUS_PATH
 from .lmcache_entry import SocketPathError, clear_stale_socket, remove_socket
 from .log_relay import start_log_relay
 from .pidfile import (
@@ -407,7 +408,7 @@ def server_status(settings: ServerSettings) -> dict[str, Any]:
     }
     if out["healthy"]:
         try:
-            resp = http.get(settings.http_url + "/status")
+            resp = http.get(settings.http_url + STATUS_PATH)
             out["server_status"] = resp.json() if resp.ok else {"http_status": resp.status}
         except (http.HttpError, ValueError) as exc:
             out["server_status"] = {"error": str(exc)}

@@ -17,6 +17,7 @@ from ..identity import FIELDS, load_pins
 from ..identity.sources import CONNECTOR_NAME, from_model_folder
 from ..l2.layout import KeyFields
 from ..serving import http
+from ..serving.lmcache_compat import status as server_status
 
 
 def l2_files(root: Path, suffixes: tuple[str, ...] = (".bin", ".kvp")) -> dict[str, str]:
@@ -62,9 +63,9 @@ def write_pins(path: Path, **changes: str) -> Path:
 
 def adapter_status(settings: ServerSettings) -> dict[str, Any]:
     """The kvpersist adapter's ``report_status`` as the live server's ``/status`` shows it."""
-    adapters = http.get(settings.http_url + "/status", timeout=10).json()["storage_manager"][
-        "l2_adapters"]
-    assert len(adapters) == 1 and adapters[0]["type"] == "KvPersistL2Adapter", adapters
+    status = server_status.fetch(settings.http_url, timeout=10) or {}
+    adapters = server_status.l2_adapters(status)
+    assert len(adapters) == 1 and adapters == server_status.kvpersist_adapters(status), status
     return dict(adapters[0])
 
 
@@ -91,13 +92,13 @@ def wait_for_l2_idle(settings: ServerSettings, stores_at_least: int = 0,
     deadline = time.monotonic() + timeout
     last: tuple[int, ...] | None = None
     while True:
-        manager = http.get(settings.http_url + "/status", timeout=10).json()["storage_manager"]
-        (adapter,) = [a for a in manager["l2_adapters"] if a["type"] == "KvPersistL2Adapter"]
+        status = server_status.fetch(settings.http_url, timeout=10) or {}
+        (adapter,) = server_status.kvpersist_adapters(status)
         quiet = (l2_store_answers(adapter) >= stores_at_least and adapter["reserved_bytes"] == 0
                  and all(c["pending_keys_count"] == 0 and c["in_flight_task_count"] == 0
-                         for c in manager["store_controllers"].values())
+                         for c in server_status.store_controllers(status))
                  and all(e["current_usage"] < e["trigger_watermark"]
-                         for e in manager["l2_eviction_controller"]["adapters"]))
+                         for e in server_status.l2_eviction_adapters(status)))
         now = (l2_store_answers(adapter), int(adapter["evicted"]), int(adapter["used_bytes"]),
                int(adapter["files"]))
         if quiet and now == last:
