@@ -86,7 +86,39 @@ def test_identity_diff_explains(tmp_path: Path, capsys: pytest.CaptureFixture[st
     code, words, _ = run(capsys, "identity", "diff", str(TINY_PINS), str(other), "--json")
     assert code == 0 and json.loads(words) == data
     code, _, err = run(capsys, "identity", "dif", str(TINY_PINS), str(other))
-    assert code == 2 and "identity diff A B" in err
+    assert code == 2 and "invalid choice: 'dif'" in err and "diff" in err
+
+
+@pytest.mark.parametrize(("given", "meant"), [
+    (["--pins", "p.env"], ["resolve", "--pins", "p.env"]),
+    (["--diff", "a.env", "b.env", "--json"], ["diff", "a.env", "b.env", "--json"]),
+    (["--json", "--diff", "a.env", "b.env"], ["diff", "a.env", "b.env", "--json"]),
+    (["--vllm-args", "m -tp 2", "--write-pins", "out.env", "--force"],
+     ["write-pins", "out.env", "--vllm-args", "m -tp 2", "--force"]),
+    (["--write-pins=out.env", "--model-folder", "m"],
+     ["write-pins", "out.env", "--model-folder", "m"]),
+    (["--namespace", "kvp-x", "--json"], ["show", "kvp-x", "--json"]),
+    (["--server"], ["server"]),
+    (["diff", "a", "b"], ["diff", "a", "b"]),
+    (["--help"], ["--help"]),
+])
+def test_earlier_identity_flags_become_their_subcommands(given: list[str], meant: list[str]
+                                                         ) -> None:
+    from kvpersist.admin.cli.identity_cmd import identity_argv
+
+    assert identity_argv(given) == meant
+
+
+def test_identity_subcommands_each_teach_their_use(capsys: pytest.CaptureFixture[str]) -> None:
+    helps = {}
+    for command in ("resolve", "write-pins", "diff", "show", "server"):
+        code, helps[command], _ = run(capsys, "identity", command, "--help")
+        assert code == 0 and "--json" in helps[command], command
+    assert "--vllm-args" in helps["resolve"] and "--vllm-args" in helps["write-pins"]
+    assert "-tp" in helps["write-pins"] and "--force" in helps["write-pins"]
+    assert "--force" not in helps["resolve"]
+    code, top, _ = run(capsys, "identity", "--help")
+    assert all(c in top for c in helps)
 
 
 def test_status_without_server(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -84,13 +84,13 @@ def give_rank_0_payload(target: Path, donor: Path) -> None:
 
 
 def readme_pins(model: Path, path: Path, tp: int, pp: int) -> Path:
-    """The pins as the README's GPU recipe writes them (``kvp-admin identity --vllm-args
-    "<snapshot> -tp 4 ..." --write-pins``), here at TP or PP 2 and the CPU's block size.  A
+    """The pins as the README's GPU recipe writes them (``kvp-admin identity write-pins FILE
+    --vllm-args "<snapshot> -tp 4 ..."``), here at TP or PP 2 and the CPU's block size.  A
     size of 1 is left out, as a recipe would: vLLM's default is what the pins take."""
     layout = (f" -tp {tp}" if tp > 1 else "") + (f" -pp {pp}" if pp > 1 else "")
-    res = subprocess.run([sys.executable, "-m", "kvpersist.admin.cli", "identity", "--vllm-args",
-                          f"{model}{layout} --max-model-len 2048 --block-size 128 "
-                          "--dtype float32", "--write-pins", str(path)],
+    res = subprocess.run([sys.executable, "-m", "kvpersist.admin.cli", "identity", "write-pins",
+                          str(path), "--vllm-args", f"{model}{layout} --max-model-len 2048 "
+                          "--block-size 128 --dtype float32"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert f"KVP_TP_SIZE={tp}" in path.read_text() and f"KVP_PP_SIZE={pp}" in path.read_text()

@@ -52,16 +52,23 @@ class IdentityFlags:
     chat_template: str | None = None
 
 
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The identity-relevant vLLM flags, spelled as vLLM spells them: read out of a recipe's
+    arguments (:func:`identity_flags`) and offered by ``kvp-admin identity`` (one definition)."""
+    p.add_argument("--block-size", type=int, help="vLLM --block-size")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, help="vLLM -tp")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, help="vLLM -pp")
+    p.add_argument("--max-model-len", type=int, help="vLLM --max-model-len")
+    p.add_argument("--dtype", help="vLLM --dtype (decides an 'auto' KV-cache dtype)")
+    p.add_argument("--kv-cache-dtype",
+                   help="vLLM --kv-cache-dtype; 'auto' resolves to the weights' dtype")
+    p.add_argument("--chat-template", help="vLLM --chat-template (a file)")
+
+
 def _flag_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--model")
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--dtype")
-    p.add_argument("--kv-cache-dtype")
-    p.add_argument("--chat-template")
+    add_engine_flags(p)
     return p
 
 
@@ -134,6 +141,7 @@ def render_pins(identity: CacheIdentity, *, origin: str) -> str:
     """A complete, commented ``identity.env`` for ``identity`` (build left to the engine)."""
     values = identity.as_dict()
     lines = [
+        # the earlier spelling of `identity write-pins`, kept: a rewrite must stay "unchanged"
         f"# Identity pins written by `kvp-admin identity --write-pins` from {origin}.",
         f"# Namespace: {identity.namespace} (with this build: {values.get('build')}).",
         "# Every field must agree with the running engine, or the connector turns caching off",

@@ -49,7 +49,7 @@ def wait_for_files(root: Path, count: int, timeout: float = 60.0) -> None:
 
 
 def _print_admin_view(cache_root: Path, budget_gb: float) -> None:
-    """What ``kvp-admin report`` and ``kvp-admin identity --namespace`` say about the cache."""
+    """What ``kvp-admin report`` and ``kvp-admin identity show`` say about the cache."""
     inv = build_inventory(cache_root)
     report = build_report(inv, BudgetModel.from_gb(budget_gb), {}, set())
     records = list_records(cache_root)
@@ -59,9 +59,9 @@ def _print_admin_view(cache_root: Path, budget_gb: float) -> None:
               f"{row['bytes']} B, {100 * row['budget_share']:.3f}% of the budget")
         rec = records.get(ns, "no identity record")
         if isinstance(rec, str):
-            print(f"kvp-admin identity --namespace         : {rec}")
+            print(f"kvp-admin identity show                : {rec}")
         else:
-            print(f"kvp-admin identity --namespace         : {rec.model_id}@{rec.model_revision[:12]}, "
+            print(f"kvp-admin identity show                : {rec.model_id}@{rec.model_revision[:12]}, "
                   f"{rec.kv_cache_dtype}, block {rec.block_size}, tp {rec.tensor_parallel_size}, "
                   f"max len {rec.max_model_len}, {rec.build}")
 

@@ -2,7 +2,7 @@
 
 A namespace is a hash, so the files of ``kvp-3f…`` do not say which model, dtype or parallelism
 made them.  Whenever the connector turns caching on, it records the identity it resolved as
-``<cache root>/namespaces/<namespace>.json``; ``kvp-admin identity --namespace NS`` and
+``<cache root>/namespaces/<namespace>.json``; ``kvp-admin identity show NS`` and
 ``identity diff NS B`` read it back ("why no hits?" for what is on disk, not only for configs).
 
 Invariants

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(KVP_CACHE_ROOT, KVP_L1_SIZE_GB, KVP_CACHE_BUDGET_GB, KVP_RUNTIME_DIR, KVP_ACCESS, ...).",
         epilog="Nothing runs by itself and nothing is deleted without `cleanup --apply`; only "
         "`server` and `recovery-test` start or restart processes. "
-        "Examples: kvp-admin report; kvp-admin identity --diff a.env b.env (why no hits?); "
+        "Examples: kvp-admin report; kvp-admin identity diff a.env b.env (why no hits?); "
         "kvp-admin cleanup --target-gb 1200 (dry run); kvp-admin COMMAND --help for each.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -50,8 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["identity"]:
+        words = ["identity", *identity_cmd.identity_argv(words[1:])]
     try:
+        args = build_parser().parse_args(words)
         return int(args.func(args))
     except SystemExit as exc:  # helpers exit with a message already printed
         return int(exc.code or 0)

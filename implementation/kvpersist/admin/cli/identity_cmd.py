@@ -4,8 +4,10 @@ field by field why two configurations never share KV (the answer to "why no hits
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from ...identity.sources import (
 from ..pins_writer import (
     IdentityFlags,
     PinsError,
+    add_engine_flags,
     check_model_folder,
     identity_flags,
     overrides,
@@ -59,27 +62,33 @@ class CliResolution:
     chat_template_text: str | None
 
 
-def _kv_cache_dtype(args: argparse.Namespace, flags: IdentityFlags) -> str:
-    """The KV-cache dtype the flags give (``--kv-cache-dtype`` here, else the recipe's), by
+def _kv_cache_dtype(flags: IdentityFlags) -> str:
+    """The KV-cache dtype the flags give, by
     :func:`~kvpersist.identity.sources.resolved_kv_cache_dtype` against ``--dtype``; ``auto``
     when neither says (then the weights' dtype from config.json decides)."""
-    given = args.kv_cache_dtype if args.kv_cache_dtype not in (None, "auto") \
-        else flags.kv_cache_dtype
+    given = None if flags.kv_cache_dtype in (None, "auto") else str(flags.kv_cache_dtype)
     model = None if flags.dtype is None else str(flags.dtype)
-    resolved = resolved_kv_cache_dtype(None if given is None else str(given), model)
-    return resolved or "auto"
+    return resolved_kv_cache_dtype(given, model) or "auto"
+
+
+def engine_flags(args: argparse.Namespace) -> IdentityFlags:
+    """The recipe's flags (``--vllm-args``), each replaced by the same flag given explicitly."""
+    recipe = identity_flags(args.vllm_args) if args.vllm_args else IdentityFlags()
+    explicit = {f.name: getattr(args, f.name) for f in dataclasses.fields(IdentityFlags)
+                if f.name != "model" and getattr(args, f.name, None) is not None}
+    return dataclasses.replace(recipe, **explicit)
 
 
 def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
     """Pins (``--pins``) checked against what the model folder, the recipe's vLLM arguments
     (``--vllm-args``), the explicit flags and ``--set`` say (later ones win)."""
     pins: dict[str, object] = dict(load_pins(args.pins)) if args.pins else {}
-    flags = identity_flags(args.vllm_args) if args.vllm_args else IdentityFlags()
+    flags = engine_flags(args)
     folder = args.model_folder or (flags.model if flags.model and Path(flags.model).is_dir()
                                    else None)
     live: dict[str, object] = {}
     if folder:
-        live.update(from_model_folder(folder, kv_cache_dtype=_kv_cache_dtype(args, flags)))
+        live.update(from_model_folder(folder, kv_cache_dtype=_kv_cache_dtype(flags)))
     template_text = None
     if flags.chat_template:
         try:
@@ -89,9 +98,9 @@ def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
                             f"{exc.strerror}") from None
         live["chat_template_sha256"] = chat_template_digest(template_text)
     for name in ("block_size", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len"):
-        for value in (getattr(flags, name), getattr(args, name)):
-            if value is not None:
-                live[name] = value
+        value = getattr(flags, name)
+        if value is not None:
+            live[name] = value
     live.update(overrides(args.set or []))
     if folder or args.with_build:
         live["connector"] = CONNECTOR_NAME
@@ -122,21 +131,26 @@ def _field_rows(found: CliResolution) -> list[tuple[str, object, str]]:
     return rows
 
 
-def cmd_write_pins(args: argparse.Namespace, found: CliResolution) -> int:
+def cmd_write_pins(args: argparse.Namespace) -> int:
+    try:
+        found = resolve_cli_identity(args)
+    except (IdentityError, ValueError) as exc:
+        print(f"kvp-admin identity write-pins: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     ident = found.resolution.identity
-    target = Path(args.write_pins)
+    target = Path(args.file)
     if found.model_folder is None:
-        print("kvp-admin identity --write-pins: give --model-folder (or a model folder as the "
+        print("kvp-admin identity write-pins: give --model-folder (or a model folder as the "
               "first of --vllm-args); nothing written", file=sys.stderr)
         return EXIT_USAGE
     try:
         check_model_folder(found.model_folder, chat_template=found.chat_template_text)
     except PinsError as exc:
-        print(f"kvp-admin identity --write-pins: {exc}; nothing written", file=sys.stderr)
+        print(f"kvp-admin identity write-pins: {exc}; nothing written", file=sys.stderr)
         return EXIT_ERROR
     if ident is None:
         print(table(_field_rows(found), ("field", "value", "source")), file=sys.stderr)
-        print(f"\nkvp-admin identity --write-pins: the identity is incomplete, nothing written: "
+        print(f"\nkvp-admin identity write-pins: the identity is incomplete, nothing written: "
               f"{'; '.join(found.resolution.problems)}. Add the engine flags (--vllm-args "
               "\"<the recipe's vLLM arguments>\", or --block-size ...) or --set FIELD=VALUE",
               file=sys.stderr)
@@ -145,7 +159,7 @@ def cmd_write_pins(args: argparse.Namespace, found: CliResolution) -> int:
         outcome = write_pins(target, render_pins(ident, origin=str(found.model_folder)),
                              force=args.force)
     except (PinsError, OSError) as exc:
-        print(f"kvp-admin identity --write-pins: {exc}; nothing written", file=sys.stderr)
+        print(f"kvp-admin identity write-pins: {exc}; nothing written", file=sys.stderr)
         return EXIT_ERROR
     if args.json:
         print_json({"pins": str(target), "outcome": outcome, "namespace": ident.namespace,
@@ -155,26 +169,12 @@ def cmd_write_pins(args: argparse.Namespace, found: CliResolution) -> int:
     return EXIT_OK
 
 
-def cmd_identity(args: argparse.Namespace) -> int:
-    if args.words:  # `identity diff A B`, the same as `identity --diff A B`
-        if len(args.words) != 3 or args.words[0] != "diff" or args.diff:
-            print("kvp-admin identity: expected `identity diff A B` (or `identity --diff A B`), "
-                  f"got {' '.join(args.words)!r}", file=sys.stderr)
-            return EXIT_USAGE
-        args.diff = args.words[1:]
-    if args.diff:
-        return cmd_identity_diff(args)
-    if args.server:
-        return cmd_identity_server(args)
-    if args.namespace:
-        return cmd_identity_recorded(args)
+def cmd_identity_resolve(args: argparse.Namespace) -> int:
     try:
         found = resolve_cli_identity(args)
     except (IdentityError, ValueError) as exc:
         print(f"kvp-admin identity: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    if args.write_pins:
-        return cmd_write_pins(args, found)
     resolution = found.resolution
     ident = resolution.identity
     if args.json:
@@ -208,7 +208,7 @@ def cmd_identity_recorded(args: argparse.Namespace) -> int:
     try:
         ident = read_record(root, args.namespace)
     except IdentityError as exc:
-        print(f"kvp-admin identity --namespace: {exc}", file=sys.stderr)
+        print(f"kvp-admin identity show: {exc}", file=sys.stderr)
         return EXIT_ERROR
     if args.json:
         print_json({"namespace": ident.namespace, "lmcache_model_name": ident.lmcache_model_name(),
@@ -224,7 +224,7 @@ def cmd_identity_server(args: argparse.Namespace) -> int:
     settings = settings_or_exit()
     active = active_namespaces_from_server(settings.http_url)
     if active is None:
-        print(f"kvp-admin identity --server: the server at {settings.http_url} does not answer",
+        print(f"kvp-admin identity server: the server at {settings.http_url} does not answer",
               file=sys.stderr)
         return EXIT_OFF
     records = list_records(settings.cache_root)
@@ -258,11 +258,11 @@ def _load_side(spec: str) -> dict[str, object]:
 
 
 def cmd_identity_diff(args: argparse.Namespace) -> int:
-    a_spec, b_spec = args.diff
+    a_spec, b_spec = args.a, args.b
     try:
         a, b = _load_side(a_spec), _load_side(b_spec)
     except (IdentityError, ValueError, OSError) as exc:
-        print(f"kvp-admin identity --diff: {exc}", file=sys.stderr)
+        print(f"kvp-admin identity diff: {exc}", file=sys.stderr)
         return EXIT_ERROR
     diffs = diff_identities(a, b)
     if args.json:
@@ -276,52 +276,106 @@ def cmd_identity_diff(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: The subcommands of ``kvp-admin identity``; without one, ``resolve`` is meant.
+SUBCOMMANDS = ("resolve", "write-pins", "diff", "show", "server")
+#: The flag spellings of earlier versions, and the subcommand each now is.
+LEGACY_FLAGS = {"--write-pins": "write-pins", "--diff": "diff", "--namespace": "show",
+                "--server": "server"}
+
+
+def identity_argv(argv: Sequence[str]) -> list[str]:
+    """``kvp-admin identity ...`` arguments with the subcommand made explicit: none given means
+    ``resolve``, and an earlier version's flag (``--diff A B``, ``--write-pins F``,
+    ``--namespace NS``, ``--server``) becomes its subcommand, so existing scripts keep working."""
+    words = list(argv)
+    if words and (not words[0].startswith("-") or words[0] in ("-h", "--help")):
+        return words  # a subcommand (argparse names the choices if it is not one)
+    for flag, command in LEGACY_FLAGS.items():
+        for i, word in enumerate(words):
+            if word == flag or word.startswith(flag + "="):
+                rest = words[:i] + words[i + 1:]
+                if "=" in word:
+                    rest.insert(i, word.split("=", 1)[1])
+                if command in ("diff", "show", "write-pins"):
+                    take = 2 if command == "diff" else 1
+                    return [command, *rest[i:i + take], *rest[:i], *rest[i + take:]]
+                return [command, *rest]
+    return ["resolve", *words]
+
+
+def _source_flags() -> argparse.ArgumentParser:
+    """What ``resolve`` and ``write-pins`` resolve an identity from (one definition)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--pins", help="identity.env pins file (configs/<model>/identity.env)")
+    p.add_argument("--model-folder", help="local HF-style model folder (config.json, tokenizer)")
+    p.add_argument("--vllm-args", metavar="ARGS",
+                   help="the recipe's vLLM arguments as one string (what kvp-vllm gets): block "
+                   "size, -tp, -pp, --max-model-len, --dtype, --kv-cache-dtype and --chat-template "
+                   "are read from it (vLLM's defaults for -tp/-pp), and a leading model folder")
+    add_engine_flags(p)  # the pins writer's own flags: each replaces the recipe's
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="give a field no source has, e.g. --set KVP_MODEL_ID=org/name for a "
+                   "folder outside the HF cache layout (repeatable)")
+    p.add_argument("--with-build", action="store_true",
+                   help="add the installed LMCache/vLLM build identity even without a model folder")
+    return p
+
+
 def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "identity",
         help="resolve the compatibility identity and namespace; explain why two configs differ",
-        description="Resolve the cache identity of a model folder and/or a pins file "
-        "(configs/<model>/identity.env). Fields found in both must agree, or caching is OFF "
-        "(exit 3) and the disagreeing field is named. Example: kvp-admin identity --pins "
-        "configs/tiny-llama/identity.env --model-folder /models/.../snapshots/<sha>. "
-        "With `diff A B` or --diff A B (pins files, model folders, 'identity --json' outputs or "
-        "namespaces recorded under the cache root) it lists the fields that keep two "
-        "configurations from sharing KV: the answer to 'why no hits?'. Examples: kvp-admin "
-        "identity diff configs/a/identity.env configs/b/identity.env; kvp-admin identity diff "
-        "kvp-<old namespace from report> configs/a/identity.env. --namespace NS prints what a "
-        "namespace on disk stands for; --server the namespaces of the running server's engines. "
-        "Writing the pins for a new model: kvp-admin identity --vllm-args \"<the recipe's vLLM "
-        "arguments, model folder first>\" --write-pins configs/<model>/identity.env (the same "
-        "arguments the launcher gets, so pins and engine agree); a field no source has is "
-        "named, and given with --set FIELD=VALUE.",
-    )
-    p.add_argument("words", nargs="*", metavar="diff A B",
-                   help="compare two configurations (the same as --diff A B)")
-    p.add_argument("--pins", help="identity.env pins file")
-    p.add_argument("--model-folder", help="local HF-style model folder (config.json, tokenizer)")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="vLLM --kv-cache-dtype; 'auto' resolves to the weights' dtype (default)")
-    p.add_argument("--block-size", type=int, help="vLLM --block-size")
-    p.add_argument("--tensor-parallel-size", type=int, help="vLLM -tp")
-    p.add_argument("--pipeline-parallel-size", type=int, help="vLLM -pp")
-    p.add_argument("--max-model-len", type=int, help="vLLM --max-model-len")
-    p.add_argument("--vllm-args", metavar="ARGS",
-                   help="the recipe's vLLM arguments as one string (what kvp-vllm gets): block "
-                   "size, -tp, -pp, --max-model-len, --dtype, --kv-cache-dtype and --chat-template "
-                   "are read from it, and a leading model folder too")
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                   help="give a field no source has, e.g. --set KVP_MODEL_ID=org/name for a "
-                   "folder outside the HF cache layout (repeatable)")
-    p.add_argument("--write-pins", metavar="FILE",
-                   help="write a complete, commented identity.env from the resolved identity "
-                   "(needs a model folder; refuses to replace a different FILE without --force)")
-    p.add_argument("--force", action="store_true", help="with --write-pins: replace FILE")
-    p.add_argument("--with-build", action="store_true",
-                   help="add the installed LMCache/vLLM build identity even without a model folder")
-    p.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two configurations")
-    p.add_argument("--namespace", metavar="NS",
-                   help="the identity recorded for NS under KVP_CACHE_ROOT/namespaces/")
-    p.add_argument("--server", action="store_true",
-                   help="the namespaces of the engines registered with the running server")
-    add_json(p)
-    p.set_defaults(func=cmd_identity)
+        description="The cache identity: the fields that decide whether KV can be shared, and "
+        "the namespace kvp-<32 hex> they form. Subcommands: resolve (the default), write-pins, "
+        "diff, show, server; `kvp-admin identity SUBCOMMAND --help` for each.",
+        epilog="Examples: kvp-admin identity --vllm-args \"<snapshot folder> -tp 4 --block-size "
+        "16\" (resolve, as the engine would); kvp-admin identity write-pins "
+        "configs/<model>/identity.env --vllm-args \"<the recipe's vLLM arguments>\"; kvp-admin "
+        "identity diff a.env b.env (why no hits?); kvp-admin identity show kvp-<ns>; kvp-admin "
+        "identity server. Earlier spellings (--write-pins F, --diff A B, --namespace NS, "
+        "--server) still work.")
+    commands = p.add_subparsers(dest="identity_command", required=True, metavar="SUBCOMMAND")
+    sources = _source_flags()
+    r = commands.add_parser(
+        "resolve", parents=[sources],
+        help="resolve an identity from pins, a model folder and the recipe's flags",
+        description="Resolve the cache identity of a model folder and/or a pins file. Fields "
+        "found in both must agree, or caching is OFF (exit 3) and the disagreeing field is "
+        "named. Example: kvp-admin identity resolve --pins configs/tiny-llama/identity.env "
+        "--model-folder /models/.../snapshots/<sha>.")
+    add_json(r)
+    r.set_defaults(func=cmd_identity_resolve)
+    w = commands.add_parser(
+        "write-pins", parents=[sources],
+        help="write a complete, commented identity.env for a model and recipe",
+        description="Write the pins for a new model from the same arguments the launcher gets, "
+        "so pins and engine agree: kvp-admin identity write-pins configs/<model>/identity.env "
+        "--vllm-args \"<the recipe's vLLM arguments, model folder first>\". A field no source "
+        "has is named, and given with --set FIELD=VALUE. Needs a model folder; refuses to "
+        "replace a different FILE without --force.")
+    w.add_argument("file", metavar="FILE", help="the identity.env to write")
+    w.add_argument("--force", action="store_true", help="replace a different FILE")
+    add_json(w)
+    w.set_defaults(func=cmd_write_pins)
+    d = commands.add_parser(
+        "diff", help="the fields that keep two configurations from sharing KV",
+        description="Compare two configurations: pins files, model folders, 'identity --json' "
+        "outputs or namespaces recorded under the cache root. The answer to 'why no hits?'. "
+        "Examples: kvp-admin identity diff configs/a/identity.env configs/b/identity.env; "
+        "kvp-admin identity diff kvp-<old namespace from report> configs/a/identity.env.")
+    d.add_argument("a", metavar="A")
+    d.add_argument("b", metavar="B")
+    add_json(d)
+    d.set_defaults(func=cmd_identity_diff)
+    n = commands.add_parser(
+        "show", help="what a namespace on disk stands for",
+        description="The identity recorded for NS under KVP_CACHE_ROOT/namespaces/.")
+    n.add_argument("namespace", metavar="NS")
+    add_json(n)
+    n.set_defaults(func=cmd_identity_recorded)
+    v = commands.add_parser(
+        "server", help="the namespaces of the engines registered with the running server",
+        description="The namespaces the running LMCache server lists for its engines, with the "
+        "identity recorded for each.")
+    add_json(v)
+    v.set_defaults(func=cmd_identity_server)
