@@ -38,27 +38,23 @@ SERVER_PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
-class CacheOn:
+class _Resolved:
+    """A decision taken with a complete identity that agrees with the pins."""
+
+    identity: CacheIdentity
+    options: ConnectorOptions
+
+
+class CacheOn(_Resolved):
     """Caching on: the identity agrees with the pins and the server answered."""
 
-    identity: CacheIdentity
-    options: ConnectorOptions
 
-
-@dataclass(frozen=True)
-class AttachLate:
+class AttachLate(_Resolved):
     """Caching on once the server answers: it did not at start, but its chunk size is known."""
 
-    identity: CacheIdentity
-    options: ConnectorOptions
 
-
-@dataclass(frozen=True)
-class Bypass:
+class Bypass(_Resolved):
     """``KVP_CACHE_BYPASS``: the identity resolved (and is recorded), nothing is cached."""
-
-    identity: CacheIdentity
-    options: ConnectorOptions
 
 
 @dataclass(frozen=True)

@@ -131,11 +131,18 @@ def _field_rows(found: CliResolution) -> list[tuple[str, object, str]]:
     return rows
 
 
-def cmd_write_pins(args: argparse.Namespace) -> int:
+def _resolved_or_report(args: argparse.Namespace, command: str) -> CliResolution | None:
+    """:func:`resolve_cli_identity`, or None after printing why it could not be resolved."""
     try:
-        found = resolve_cli_identity(args)
+        return resolve_cli_identity(args)
     except (IdentityError, ValueError) as exc:
-        print(f"kvp-admin identity write-pins: {exc}", file=sys.stderr)
+        print(f"kvp-admin {command}: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_write_pins(args: argparse.Namespace) -> int:
+    found = _resolved_or_report(args, "identity write-pins")
+    if found is None:
         return EXIT_ERROR
     ident = found.resolution.identity
     target = Path(args.file)
@@ -170,10 +177,8 @@ def cmd_write_pins(args: argparse.Namespace) -> int:
 
 
 def cmd_identity_resolve(args: argparse.Namespace) -> int:
-    try:
-        found = resolve_cli_identity(args)
-    except (IdentityError, ValueError) as exc:
-        print(f"kvp-admin identity: {exc}", file=sys.stderr)
+    found = _resolved_or_report(args, "identity")
+    if found is None:
         return EXIT_ERROR
     resolution = found.resolution
     ident = resolution.identity
