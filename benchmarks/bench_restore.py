@@ -2,18 +2,24 @@
 with a cold page cache, for kvpersist's adapter and its peers, against a cold raw read of the
 same files in the same run.
 
-For each adapter (kvpersist, LMCache's nixl_store_dynamic and fs), one after another on the same
-disk: LMCache's own bench client stores one request of ``--tokens`` tokens at ``--kv-per-token``
-bytes (the store counts until every L2 file is on disk, against a ``dd`` write of the same bytes
-on the same file system); the server restarts; the page cache is dropped and the L2 files are
-read once with ``cat`` (the cold raw read); the page cache is dropped again and the request is
-restored: LOOKUP (on the server this includes the L2→L1 load) then RETRIEVE (L1→client over
-ZMQ, LMCache's engine_driven transport on CPU), checksums compared.  Ratios are against the
-cold raw read and the ``dd`` write measured in the same round.  Needs root (drop_caches).
+For each adapter (kvpersist, LMCache's nixl_store_dynamic, fs, fs_native and raw_block), one
+after another on the same disk: LMCache's own bench client stores one request of ``--tokens``
+tokens at ``--kv-per-token`` bytes (the store counts until every L2 file is on disk, against a
+``dd`` write of the same bytes on the same file system); the server restarts; the page cache is
+dropped and the L2 files are read once with ``cat`` (the cold raw read); the page cache is
+dropped again and the request is restored: LOOKUP (on the server this includes the L2→L1 load)
+then RETRIEVE (L1→client over ZMQ, LMCache's engine_driven transport on CPU), checksums
+compared.  Ratios are against the cold raw read and the ``dd`` write measured in the same round.
+``raw_block`` writes one pre-sized image file (its "device") instead of a file per chunk: its
+stores are counted from the server's status, and its raw read is a ``dd iflag=direct`` of the
+bytes it used.  With ``--ram-device-mb`` everything runs on an ext4 loop device over a file in
+``/dev/shm`` (the disk is then not the limit: what is left is the software's cost).  Needs root
+(drop_caches).
 
     .venv/bin/python benchmarks/bench_restore.py [--root DIR] [--tokens 8192]
-        [--kv-per-token 32768] [--rounds 3] [--adapters kvpersist,nixl_store_dynamic,fs]
-        [--slow-disk-mb-s 200] [--transfer-mode engine_driven|lmcache_driven] [--json OUT]
+        [--kv-per-token 32768] [--rounds 3] [--adapters kvpersist,nixl_store_dynamic,fs,...]
+        [--slow-disk-mb-s 200 | --ram-device-mb 6144]
+        [--transfer-mode engine_driven|lmcache_driven] [--json OUT]
 """
 
 from __future__ import annotations
@@ -31,12 +37,17 @@ from typing import Any
 
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import free_port
+from kvpersist.serving import server as server_module
+from kvpersist.serving.lmcache_compat import status as server_status
 from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.lmcache_bench import BenchDriver
 from kvpersist.testing.slow_disk import SlowDisk, drop_caches, slow_disk
 
-SUFFIX = {"kvpersist": ".kvp", "nixl_store_dynamic": ".bin", "fs": ""}
+SUFFIX = {"kvpersist": ".kvp", "nixl_store_dynamic": ".bin", "fs": "", "fs_native": ".data"}
+ADAPTERS = ("kvpersist", "nixl_store_dynamic", "fs", "fs_native", "raw_block")
+RAW_BLOCK_IMAGE = "raw_block.img"
+PAGE = 4096
 MODEL = "bench/restore/kvp-" + "9" * 32
 
 
@@ -52,9 +63,51 @@ def shape_spec(tokens: int, kv_per_token: int) -> tuple[str, int]:
 
 
 def data_files(root: Path, adapter: str) -> list[Path]:
-    skip = {"lmcache-server.log", "lmcache-server.pid", ".kvpersist.lock", "raw.bin"}
+    skip = {"lmcache-server.log", "lmcache-server.pid", ".kvpersist.lock", "raw.bin",
+            RAW_BLOCK_IMAGE}
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name not in skip
                   and "quarantine" not in p.parts and p.name.endswith(SUFFIX[adapter]))
+
+
+def raw_block_slot_bytes(kv_per_token: int) -> int:
+    """One 256-token chunk, rounded up to a page, after raw_block's one-page header."""
+    return -(-256 * kv_per_token // PAGE) * PAGE + PAGE
+
+
+def raw_block_config(root: Path, chunks: int, kv_per_token: int) -> dict[str, Any]:
+    """LMCache's raw_block adapter on a pre-sized image file under ``root`` (its device)."""
+    slot = raw_block_slot_bytes(kv_per_token)
+    image = root / RAW_BLOCK_IMAGE
+    meta = 256 << 20
+    with image.open("wb") as fh:
+        fh.truncate(meta + (chunks + 8) * slot)
+    return {"type": "raw_block", "device_path": str(image), "slot_bytes": slot,
+            "use_odirect": True, "io_engine": "posix", "persist_enabled": True}
+
+
+def raw_block_stored(settings: ServerSettings) -> int:
+    """Chunks the raw_block adapter has indexed, from the server's status."""
+    status = server_status.fetch(settings.http_url, timeout=10) or {}
+    adapters = server_status.l2_adapters(status)
+    core = adapters[0].get("core", {}) if adapters else {}
+    return int(core.get("indexed_key_count", 0)) if isinstance(core, dict) else 0
+
+
+def stored_chunks(adapter: str, root: Path, settings: ServerSettings) -> int:
+    if adapter == "raw_block":
+        return raw_block_stored(settings)
+    return len(data_files(root, adapter))
+
+
+def adapter_config_with(raw_block: dict[str, Any] | None) -> None:
+    """The server is started with ``raw_block`` as its L2 adapter JSON when given (raw_block
+    needs a device path and slot size no kvpersist setting has; benchmark only)."""
+    configured = ORIGINAL_ADAPTER_CONFIG
+    server_module.l2_adapter_config = (  # type: ignore[attr-defined]
+        configured if raw_block is None else (lambda settings: raw_block))
+
+
+ORIGINAL_ADAPTER_CONFIG = server_module.l2_adapter_config  # type: ignore[attr-defined]
 
 
 def timed(cmd: list[str], disk: SlowDisk | None = None) -> float:
@@ -75,12 +128,17 @@ def admit_server(settings: ServerSettings, disk: SlowDisk | None) -> None:
 def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: float,
               transfer_mode: str, disk: SlowDisk | None) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True, mode=0o700)
     settings: ServerSettings = load_settings({
         "KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(free_port()),
         "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": str(l1_gb),
-        "KVP_CACHE_BUDGET_GB": "200", "KVP_L2_ADAPTER": adapter})
+        "KVP_CACHE_BUDGET_GB": "200",
+        "KVP_L2_ADAPTER": "fs" if adapter == "raw_block" else adapter})
     spec, blocks = shape_spec(tokens, kv_per_token)
     nbytes = tokens // 256 * 256 * kv_per_token
+    chunks = tokens // 256
+    adapter_config_with(raw_block_config(root, chunks, kv_per_token)
+                        if adapter == "raw_block" else None)
     start_server(settings)
     try:
         d = BenchDriver(settings.request_url, settings.http_url, MODEL,
@@ -90,10 +148,9 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
         if not d.store(0):
             raise RuntimeError(f"{adapter}: the store was refused")
         acked = time.perf_counter()  # in L1; the write-through to L2 runs from here
-        chunks = tokens // 256
-        while len(data_files(root, adapter)) < chunks:
+        while (stored := stored_chunks(adapter, root, settings)) < chunks:
             if time.perf_counter() - began > 600:
-                raise RuntimeError(f"{adapter}: {len(data_files(root, adapter))}/{chunks} files")
+                raise RuntimeError(f"{adapter}: {stored}/{chunks} chunks stored")
             time.sleep(0.01)
         store_s = time.perf_counter() - began
         l1_to_l2_s = time.perf_counter() - acked
@@ -107,7 +164,13 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
         admit_server(settings, disk)
         files = data_files(root, adapter)
         drop_caches()
-        raw_read_s = timed(["cat", *map(str, files)], disk)
+        if adapter == "raw_block":
+            slot = raw_block_slot_bytes(kv_per_token)
+            raw_read_s = timed(["dd", f"if={root / RAW_BLOCK_IMAGE}", "of=/dev/null", "bs=16M",
+                                "iflag=direct", f"count={-(-(chunks * slot) // (16 << 20))}"],
+                               disk)
+        else:
+            raw_read_s = timed(["cat", *map(str, files)], disk)
         drop_caches()
         d = BenchDriver(settings.request_url, settings.http_url, MODEL,
                         num_tokens=tokens, shape_spec=spec, num_blocks=blocks,
@@ -116,7 +179,10 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
         d.close()
     finally:
         stop_server(settings)
-    file_bytes = sum(p.stat().st_size for p in files)
+        adapter_config_with(None)
+    file_bytes = (chunks * raw_block_slot_bytes(kv_per_token) if adapter == "raw_block"
+                  else sum(p.stat().st_size for p in files))
+    shutil.rmtree(root, ignore_errors=True)  # the next adapter's round needs the space
     return {"adapter": adapter, "ok": trip.ok, "hit_chunks": trip.hit_chunks, "chunks": chunks,
             "payload_bytes": nbytes, "file_bytes": file_bytes, "store_s": store_s,
             "l1_to_l2_s": l1_to_l2_s,
@@ -131,7 +197,7 @@ def main() -> int:
     parser.add_argument("--kv-per-token", type=int, default=32768)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--l1-gb", type=float, default=2.0)
-    parser.add_argument("--adapters", default="kvpersist,nixl_store_dynamic,fs")
+    parser.add_argument("--adapters", default=",".join(ADAPTERS))
     parser.add_argument("--transfer-mode", default="engine_driven",
                         choices=("engine_driven", "lmcache_driven"),
                         help="how L1 reaches the client (engine_driven: pickled over ZMQ)")
@@ -139,6 +205,9 @@ def main() -> int:
                         help="run on a loop-device ext4 whose reads are throttled to this rate "
                         "for the server and cat (a disk-bound comparison on a machine whose disk "
                         "is backed by the host's RAM)")
+    parser.add_argument("--ram-device-mb", type=int,
+                        help="run on an ext4 loop device of this size over a file in /dev/shm, "
+                        "unthrottled: the disk is not the limit")
     parser.add_argument("--json", help="write the per-round results here")
     args = parser.parse_args()
     base = Path(args.root or tempfile.mkdtemp(prefix="kvp-restore-"))
@@ -150,6 +219,12 @@ def main() -> int:
             size_mb = (len(adapters) + 2) * args.tokens * args.kv_per_token // 2**20 + 256
             disk = stack.enter_context(slow_disk(base, size_mb=size_mb,
                                                  read_bytes_per_s=int(args.slow_disk_mb_s * 2**20)))
+            base = disk.mount
+        elif args.ram_device_mb:
+            ram = Path(tempfile.mkdtemp(prefix="kvp-ramdev-", dir="/dev/shm"))
+            stack.callback(shutil.rmtree, ram, True)
+            disk = stack.enter_context(slow_disk(ram, size_mb=args.ram_device_mb,
+                                                 read_bytes_per_s=0))
             base = disk.mount
         for n in range(args.rounds):
             for adapter in adapters if n % 2 == 0 else adapters[::-1]:
