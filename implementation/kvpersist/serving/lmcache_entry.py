@@ -41,7 +41,7 @@ from typing import Any
 from ..config.adapters import refuse_lossy_serde
 from ..config.values import SettingsError
 from . import cpu_priority
-from .lmcache_compat import fault_injection, unix_endpoints
+from .lmcache_compat import fault_injection, pins, unix_endpoints
 
 
 class SocketPathError(RuntimeError):
@@ -165,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.request_socket is None) != (args.http_socket is None):
         parser.error("--request-socket and --http-socket go together")
     os.umask(0o077)
+    for line in pins.check_versions():  # the pins decide what is installed; this is a note
+        print(f"kvpersist: {line}", file=sys.stderr, flush=True)
     try:
         cpu_priority.apply_nice(args.nice)
     except cpu_priority.PriorityError as exc:

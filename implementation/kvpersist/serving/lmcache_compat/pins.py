@@ -230,7 +230,8 @@ def installed_versions() -> dict[str, str | None]:
 
 @functools.cache
 def check_versions() -> list[str]:
-    """One line per package whose installed version is not the tested one (logged once)."""
+    """One line per package whose installed version is not the tested one (logged once; the
+    server's entry point also prints them, its log having no handler for this logger)."""
     lines = [f"{p} {v or 'not installed'} is not the tested {TESTED_VERSIONS[p]}; each "
              "kvpersist patch is checked against its source" for p, v in
              installed_versions().items() if v != TESTED_VERSIONS[p]]
