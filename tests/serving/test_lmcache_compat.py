@@ -95,17 +95,53 @@ def test_only_the_compat_package_touches_lmcache_internals() -> None:
     assert offenders == []
 
 
-@pytest.fixture
-def changed_feature(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """``load_fence`` pinned to a digest no source has, as after an LMCache upgrade."""
-    feature = pins.FEATURES["load_fence"]
+def change_pin(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Feature ``name``'s first function pinned to a digest no source has, as after an LMCache
+    upgrade that changed it."""
+    feature = pins.FEATURES[name]
     module, qualname, _ = feature.sources[0]
-    monkeypatch.setitem(pins.FEATURES, "load_fence", pins.Feature(
+    monkeypatch.setitem(pins.FEATURES, name, pins.Feature(
         feature.name, feature.purpose, feature.if_off,
         ((module, qualname, "0" * 16), *feature.sources[1:]), feature.unsafe_without))
     pins.available.cache_clear()
+
+
+@pytest.fixture
+def changed_feature(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    change_pin(monkeypatch, "load_fence")
     yield "load_fence"
+    monkeypatch.undo()
     pins.available.cache_clear()
+
+
+def test_a_patch_whose_pins_changed_installs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each replacing feature leaves LMCache's own code in place when its pins do not match."""
+    import socket
+
+    from lmcache.v1.multiprocess.modules import lookup
+    from lmcache.v1.multiprocess.transfer_context.pickle import EngineDrivenContextPickle
+
+    from kvpersist.serving.lmcache_compat import l1_streaming, pickle_transport, unix_endpoints
+    from kvpersist.serving.transfer_wait import ServerWait
+
+    for name in ("l1_window", "pickle_waits", "unix_endpoints"):
+        change_pin(monkeypatch, name)
+    try:
+        lookup_before = lookup.LookupModule.lookup
+        assert l1_streaming.install(1 << 30) is None
+        assert lookup.LookupModule.lookup is lookup_before
+        pickle_transport.uninstall()
+        prepare_before = EngineDrivenContextPickle.prepare_retrieve
+        assert not pickle_transport.install(ServerWait(lambda: True, base_s=1.0, max_s=1.0,
+                                                       dead_after_s=1.0))
+        assert EngineDrivenContextPickle.prepare_retrieve is prepare_before
+        with socket.socket(socket.AF_UNIX) as listener, pytest.raises(
+                unix_endpoints.EndpointsError, match="refusing to start"):
+            unix_endpoints.install(Path("/nonexistent/request.sock"), listener,
+                                   before_bind=lambda: None, after_bind=lambda: None)
+    finally:
+        monkeypatch.undo()
+        pins.available.cache_clear()
 
 
 def test_a_changed_function_turns_its_feature_off_with_one_line(
