@@ -178,7 +178,3 @@ def replace_connector_stats(connector: Any, stats: Any) -> None:
     """``connector``'s stats object (vLLM's /metrics for the connector) becomes ``stats``."""
     _attribute(connector, "_connector_stats")
     connector._connector_stats = stats
-
-
-def connector_stats(connector: Any) -> Any:
-    return _attribute(connector, "_connector_stats")
