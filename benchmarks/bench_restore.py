@@ -16,10 +16,20 @@ bytes it used.  With ``--ram-device-mb`` everything runs on an ext4 loop device 
 ``/dev/shm`` (the disk is then not the limit: what is left is the software's cost).  Needs root
 (drop_caches).
 
+Two kvpersist variants run beside the default (buffered reads, every read verified):
+``kvpersist-direct`` reads payloads with O_DIRECT (``KVP_L2_DIRECT_IO=true``), and
+``kvpersist-noverify`` is a benchmark-only build of the same server whose payload digest is
+replaced by a no-op (a ``sitecustomize`` put on the server's ``PYTHONPATH`` by this script; the
+product has no such switch), so the cost of verification is the difference of the two.
+
+The raw reads of each round, each after dropping the page cache: ``cat`` of the files (buffered,
+one stream) and ``dd iflag=direct bs=16M`` of the same files, 8 at a time (as many reads in
+flight as the adapters' I/O threads).  Ratios are taken against the faster of the two.
+
     .venv/bin/python benchmarks/bench_restore.py [--root DIR] [--tokens 8192]
         [--kv-per-token 32768] [--rounds 3] [--adapters kvpersist,nixl_store_dynamic,fs,...]
         [--slow-disk-mb-s 200 | --ram-device-mb 6144]
-        [--transfer-mode engine_driven|lmcache_driven] [--json OUT]
+        [--transfer-mode engine_driven|lmcache_driven] [--json OUT] [--plot OUT.png]
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -42,10 +53,41 @@ from kvpersist.serving.lmcache_compat import status as server_status
 from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.lmcache_bench import BenchDriver
+from kvpersist.testing.plot import bar_plot
 from kvpersist.testing.slow_disk import SlowDisk, drop_caches, slow_disk
 
 SUFFIX = {"kvpersist": ".kvp", "nixl_store_dynamic": ".bin", "fs": "", "fs_native": ".data"}
-ADAPTERS = ("kvpersist", "nixl_store_dynamic", "fs", "fs_native", "raw_block")
+ADAPTERS = ("kvpersist", "kvpersist-direct", "kvpersist-noverify", "nixl_store_dynamic", "fs",
+            "fs_native", "raw_block")
+#: Variant → (LMCache adapter it runs, extra server environment).
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "kvpersist-direct": ("kvpersist", {"KVP_L2_DIRECT_IO": "true"}),
+    "kvpersist-noverify": ("kvpersist", {}),
+}
+#: Benchmark only: the server's payload digest becomes a no-op whose result compares equal to
+#: any checksum, so every other step of the read (header, key, length checks) still runs.
+NO_VERIFY_SITECUSTOMIZE = """\
+import kvpersist.l2.files as _files
+
+
+class _NoDigest:
+    def update(self, data):
+        return None
+
+    def digest(self):
+        return _AnyChecksum()
+
+
+class _AnyChecksum:
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+
+_files.payload_hasher = _NoDigest
+"""
 RAW_BLOCK_IMAGE = "raw_block.img"
 PAGE = 4096
 MODEL = "bench/restore/kvp-" + "9" * 32
@@ -62,11 +104,36 @@ def shape_spec(tokens: int, kv_per_token: int) -> tuple[str, int]:
     return f"(2,{blocks},16,{heads},128):float16:{layers}", blocks
 
 
+def base_adapter(variant: str) -> str:
+    return VARIANTS.get(variant, (variant, {}))[0]
+
+
+def server_env(variant: str, scratch: Path) -> dict[str, str] | None:
+    """The server's environment for ``variant`` (None: the ordinary one)."""
+    if variant not in VARIANTS:
+        return None
+    env = {**os.environ, **VARIANTS[variant][1]}
+    if variant == "kvpersist-noverify":
+        site = scratch / "noverify-site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(NO_VERIFY_SITECUSTOMIZE)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    return env
+
+
+def raw_direct_read(paths: list[Path], disk: SlowDisk | None) -> float:
+    """Seconds of an O_DIRECT read of ``paths``, 8 ``dd iflag=direct bs=16M`` at a time."""
+    script = ('printf "%s\\0" "$@" | xargs -0 -P 8 -I{} '
+              'dd if={} of=/dev/null bs=16M iflag=direct status=none')
+    return timed(["bash", "-c", script, "raw", *map(str, paths)], disk)
+
+
 def data_files(root: Path, adapter: str) -> list[Path]:
     skip = {"lmcache-server.log", "lmcache-server.pid", ".kvpersist.lock", "raw.bin",
             RAW_BLOCK_IMAGE}
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name not in skip
-                  and "quarantine" not in p.parts and p.name.endswith(SUFFIX[adapter]))
+                  and not {"quarantine", "run", ".kvpersist-state"} & set(p.parts)
+                  and p.name.endswith(SUFFIX[base_adapter(adapter)]))
 
 
 def raw_block_slot_bytes(kv_per_token: int) -> int:
@@ -129,17 +196,19 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
               transfer_mode: str, disk: SlowDisk | None) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True, mode=0o700)
+    kind = base_adapter(adapter)
     settings: ServerSettings = load_settings({
         "KVP_CACHE_ROOT": str(root), "KVP_ZMQ_PORT": str(free_port()),
         "KVP_HTTP_PORT": str(free_port()), "KVP_L1_SIZE_GB": str(l1_gb),
-        "KVP_CACHE_BUDGET_GB": "200",
-        "KVP_L2_ADAPTER": "fs" if adapter == "raw_block" else adapter})
+        "KVP_CACHE_BUDGET_GB": "200", **VARIANTS.get(adapter, ("", {}))[1],
+        "KVP_L2_ADAPTER": "fs" if kind == "raw_block" else kind})
+    env = server_env(adapter, root.parent)
     spec, blocks = shape_spec(tokens, kv_per_token)
     nbytes = tokens // 256 * 256 * kv_per_token
     chunks = tokens // 256
     adapter_config_with(raw_block_config(root, chunks, kv_per_token)
-                        if adapter == "raw_block" else None)
-    start_server(settings)
+                        if kind == "raw_block" else None)
+    start_server(settings, env=env)
     try:
         d = BenchDriver(settings.request_url, settings.http_url, MODEL,
                         num_tokens=tokens, shape_spec=spec, num_blocks=blocks,
@@ -148,7 +217,7 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
         if not d.store(0):
             raise RuntimeError(f"{adapter}: the store was refused")
         acked = time.perf_counter()  # in L1; the write-through to L2 runs from here
-        while (stored := stored_chunks(adapter, root, settings)) < chunks:
+        while (stored := stored_chunks(kind, root, settings)) < chunks:
             if time.perf_counter() - began > 600:
                 raise RuntimeError(f"{adapter}: {stored}/{chunks} chunks stored")
             time.sleep(0.01)
@@ -160,17 +229,21 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
         raw_write_s = timed(["dd", "if=/dev/zero", f"of={root / 'raw.bin'}", "bs=16M",
                              f"count={max(1, nbytes >> 24)}"])
         (root / "raw.bin").unlink()
-        start_server(settings)
+        start_server(settings, env=env)
         admit_server(settings, disk)
         files = data_files(root, adapter)
         drop_caches()
-        if adapter == "raw_block":
+        if kind == "raw_block":
             slot = raw_block_slot_bytes(kv_per_token)
+            used = chunks * slot
             raw_read_s = timed(["dd", f"if={root / RAW_BLOCK_IMAGE}", "of=/dev/null", "bs=16M",
-                                "iflag=direct", f"count={-(-(chunks * slot) // (16 << 20))}"],
-                               disk)
+                                "iflag=direct", f"count={-(-used // (16 << 20))}"], disk)
+            drop_caches()
+            raw_direct_s = raw_read_s  # one image: the dd above is already O_DIRECT
         else:
             raw_read_s = timed(["cat", *map(str, files)], disk)
+            drop_caches()
+            raw_direct_s = raw_direct_read(files, disk)
         drop_caches()
         d = BenchDriver(settings.request_url, settings.http_url, MODEL,
                         num_tokens=tokens, shape_spec=spec, num_blocks=blocks,
@@ -180,14 +253,44 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
     finally:
         stop_server(settings)
         adapter_config_with(None)
-    file_bytes = (chunks * raw_block_slot_bytes(kv_per_token) if adapter == "raw_block"
+    file_bytes = (chunks * raw_block_slot_bytes(kv_per_token) if kind == "raw_block"
                   else sum(p.stat().st_size for p in files))
     shutil.rmtree(root, ignore_errors=True)  # the next adapter's round needs the space
     return {"adapter": adapter, "ok": trip.ok, "hit_chunks": trip.hit_chunks, "chunks": chunks,
             "payload_bytes": nbytes, "file_bytes": file_bytes, "store_s": store_s,
-            "l1_to_l2_s": l1_to_l2_s,
-            "raw_write_s": raw_write_s, "raw_read_s": raw_read_s, "l2_to_l1_s": trip.lookup_s,
+            "l1_to_l2_s": l1_to_l2_s, "raw_write_s": raw_write_s, "raw_read_s": raw_read_s,
+            "raw_direct_read_s": raw_direct_s, "l2_to_l1_s": trip.lookup_s,
             "restore_s": trip.restore_s}
+
+
+def summarize(rows: list[dict[str, Any]], adapters: list[str]) -> list[dict[str, Any]]:
+    """Per adapter: medians over rounds, and ratios against the same round's raw reads/write
+    (``x raw read`` >= 1 means at least as fast as the faster raw read)."""
+    out = []
+    for adapter in adapters:
+        mine = [r for r in rows if r["adapter"] == adapter]
+        if not mine:
+            continue
+
+        def med(values: list[float]) -> float:
+            return float(statistics.median(values))
+
+        gb = mine[0]["payload_bytes"] / 1e9
+        out.append({
+            "adapter": adapter, "rounds": len(mine), "ok": all(r["ok"] for r in mine),
+            "l2_to_l1_s": med([r["l2_to_l1_s"] for r in mine]),
+            "l2_to_l1_gb_s": gb / med([r["l2_to_l1_s"] for r in mine]),
+            "restore_s": med([r["restore_s"] for r in mine]),
+            "store_s": med([r["store_s"] for r in mine]),
+            "l1_to_l2_s": med([r["l1_to_l2_s"] for r in mine]),
+            "raw_read_gb_s": gb / med([min(r["raw_read_s"], r["raw_direct_read_s"])
+                                       for r in mine]),
+            "x_raw_read": med([min(r["raw_read_s"], r["raw_direct_read_s"]) / r["l2_to_l1_s"]
+                               for r in mine]),
+            "x_cat": med([r["raw_read_s"] / r["l2_to_l1_s"] for r in mine]),
+            "x_raw_write": med([r["raw_write_s"] / r["l1_to_l2_s"] for r in mine]),
+        })
+    return out
 
 
 def main() -> int:
@@ -208,7 +311,8 @@ def main() -> int:
     parser.add_argument("--ram-device-mb", type=int,
                         help="run on an ext4 loop device of this size over a file in /dev/shm, "
                         "unthrottled: the disk is not the limit")
-    parser.add_argument("--json", help="write the per-round results here")
+    parser.add_argument("--json", help="write the summary and the per-round results here")
+    parser.add_argument("--plot", help="write a bar chart of L2->L1 GB/s per adapter (PNG) here")
     args = parser.parse_args()
     base = Path(args.root or tempfile.mkdtemp(prefix="kvp-restore-"))
     adapters = args.adapters.split(",")
@@ -233,27 +337,39 @@ def main() -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     gb = args.tokens // 256 * 256 * args.kv_per_token / 1e9
-    print(f"\n{args.tokens} tokens x {args.kv_per_token} B = {gb:.2f} GB, {args.transfer_mode}, "
-          f"median of {args.rounds} rounds; ratios against the same round's cold raw read / dd "
-          "write")
-    print(f"{'adapter':<20} {'ok':>4} {'L2->L1 s':>9} {'GB/s':>6} {'x raw read':>10} "
-          f"{'restore s':>10} {'store s':>8} {'L1->L2 s':>9} {'x raw write':>11}")
-    for adapter in adapters:
-        mine = [r for r in rows if r["adapter"] == adapter]
-
-        def med(key: str, rows_: list[dict[str, Any]] = mine) -> float:
-            return float(statistics.median(r[key] for r in rows_))
-
-        read_ratio = statistics.median(r["raw_read_s"] / r["l2_to_l1_s"] for r in mine)
-        write_ratio = statistics.median(r["raw_write_s"] / r["l1_to_l2_s"] for r in mine)
-        print(f"{adapter:<20} {all(r['ok'] for r in mine)!s:>4} {med('l2_to_l1_s'):>9.2f} "
-              f"{gb / med('l2_to_l1_s'):>6.2f} {read_ratio:>10.2f} {med('restore_s'):>10.2f} "
-              f"{med('store_s'):>8.2f} {med('l1_to_l2_s'):>9.2f} {write_ratio:>11.2f}")
-    print("(x raw read: cold cat time / L2->L1 time, so >= 1 is at least as fast as cat; "
+    device = ("RAM loop device" if args.ram_device_mb else
+              f"loop device read at {args.slow_disk_mb_s:g} MB/s" if args.slow_disk_mb_s
+              else "VM disk")
+    summary = summarize(rows, adapters)
+    print(f"\n{device}: {args.tokens} tokens x {args.kv_per_token} B = {gb:.2f} GB, "
+          f"{args.transfer_mode}, median of {args.rounds} rounds; ratios against the same "
+          "round's faster raw read (cold cat, 8 parallel O_DIRECT dd) and dd write")
+    print(f"{'adapter':<20} {'ok':>4} {'L2->L1 s':>9} {'GB/s':>6} {'raw GB/s':>9} "
+          f"{'x raw read':>10} {'restore s':>10} {'store s':>8} {'L1->L2 s':>9} "
+          f"{'x raw write':>11}")
+    for row in summary:
+        print(f"{row['adapter']:<20} {row['ok']!s:>4} {row['l2_to_l1_s']:>9.2f} "
+              f"{row['l2_to_l1_gb_s']:>6.2f} {row['raw_read_gb_s']:>9.2f} "
+              f"{row['x_raw_read']:>10.2f} {row['restore_s']:>10.2f} {row['store_s']:>8.2f} "
+              f"{row['l1_to_l2_s']:>9.2f} {row['x_raw_write']:>11.2f}")
+    print("(x raw read: the faster raw read's time / L2->L1 time, so >= 1 is at least as fast; "
           "store: client STORE until every file is on disk; L1->L2: from the STORE's "
-          "acknowledgement to the last file; x raw write: dd time / L1->L2 time)")
+          "acknowledgement to the last file; x raw write: dd time (page cache, as the stores) / L1->L2 time)")
+    by_name = {row["adapter"]: row for row in summary}
+    if "kvpersist" in by_name and "kvpersist-noverify" in by_name:
+        share = 1 - by_name["kvpersist-noverify"]["l2_to_l1_s"] / by_name["kvpersist"]["l2_to_l1_s"]
+        print(f"verification's share of the L2->L1 time: {100 * share:.1f} % "
+              "(kvpersist against kvpersist-noverify)")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(
+            {"device": device, "tokens": args.tokens, "kv_per_token": args.kv_per_token,
+             "gb": gb, "transfer_mode": args.transfer_mode, "summary": summary,
+             "rounds": rows}, indent=2) + "\n")
+    if args.plot:
+        bar_plot(Path(args.plot), f"L2->L1 after a restart, {gb:.2f} GB, {device}, cold cache",
+                 "GB/s", {"L2->L1": {r["adapter"]: r["l2_to_l1_gb_s"] for r in summary},
+                          "raw read (faster)": {r["adapter"]: r["raw_read_gb_s"]
+                                                for r in summary}})
     return 0
 
 

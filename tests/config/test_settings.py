@@ -115,7 +115,7 @@ def test_a_node_of_a_shared_tree_keeps_its_part_its_share_and_its_state_local(
     config = KvPersistL2AdapterConfig.from_dict({**params, "max_capacity_gb": 25})
     assert config.shared_tree == str(tree)
     alone = load_settings(environ={"KVP_CACHE_ROOT": str(tree)})
-    assert not alone.shared and alone.cache_root == tree and alone.pid_file.parent == tree
+    assert not alone.shared and alone.cache_root == tree and alone.pid_file.parent == tree / "run"
     assert "shared_tree" not in l2_adapter_config(alone)["adapter_params"]
 
 

@@ -62,13 +62,15 @@ def test_bench_client_round_trip_through_l2_after_restart(settings: ServerSettin
     assert all(n.startswith("org--model--kvp-" + "a" * 32 + "_") for n in files)
     assert all((settings.cache_root / n).stat().st_size == CHUNK_FILE for n in files)
     d.close()
-    stop_server(settings)  # SIGTERM
+    stop_server(settings)  # SIGTERM: the adapter closes and leaves its index snapshot
     start_server(settings)
     d = driver(settings)
     trip = d.lookup_and_retrieve(1, sums)
     assert (trip.hit_chunks, trip.retrieved_ok, trip.checksums_match) == (4, True, True)
     status = adapter_status(settings)
     assert status["load_hits"] == 4 and status["verify_failures"] == 0
+    assert status["scan_source"] == "snapshot"  # a clean restart walks no directory
+    assert status["used_bytes"] == 4 * CHUNK_FILE
     # LMCache's own listing API works through list_l2_keys.
     body = http.get(settings.http_url + "/cache/objects", timeout=10).body
     listed = json.loads(body)["entries"]
@@ -88,6 +90,7 @@ def test_data_survives_sigkill(settings: ServerSettings) -> None:
     trip = d.lookup_and_retrieve(2, sums)
     assert (trip.hit_chunks, trip.retrieved_ok, trip.checksums_match) == (4, True, True)
     status = adapter_status(settings)
+    assert status["scan_source"] == "disk"  # a killed server left no snapshot
     assert status["used_bytes"] == sum(p.stat().st_size for p in settings.cache_root.glob("*.kvp"))
     d.close()
 
@@ -161,8 +164,9 @@ def test_accounting_cap_and_eviction(tmp_path: Path) -> None:
         assert adapter_status(s)["used_bytes"] == disk == 16 * CHUNK_FILE
         d.close()
         stop_server(s)
-        start_server(s)  # restart: the scan restores the count, header overhead included
+        start_server(s)  # restart: the snapshot restores the count, header overhead included
         assert adapter_status(s)["used_bytes"] == disk
+        assert adapter_status(s)["scan_source"] == "snapshot"
         d = driver(s)
         peak = 0
         for seq in range(4, 12):  # far beyond the budget

@@ -357,7 +357,8 @@ def test_a_failed_scan_refuses_stores_until_a_scan_succeeds(
     scans = FailingScans(failures=2)
     monkeypatch.setattr(store_module, "scan_root", scans)
     monkeypatch.setattr(store_module, "SCAN_RETRY_S", 0.2)
-    store = KvFileStore(tmp_path, on_disk + HEADER_SIZE + 8192)  # room for exactly one more
+    # room for exactly one more; the walk is what fails here, so no snapshot may stand in for it
+    store = KvFileStore(tmp_path, on_disk + HEADER_SIZE + 8192, scan_snapshot=False)
     _OPENED.append(store)
     store.open(background_scan=True)
     deadline = time.monotonic() + 10

@@ -40,7 +40,7 @@ def test_defaults_follow_the_design(tmp_path: Path) -> None:
     assert (s.bind_host, s.zmq_port, s.http_port) == ("127.0.0.1", 5555, 8080)
     assert (s.l1_size_gb, s.budget_gb) == (64, 1500)
     assert (s.eviction_watermark, s.eviction_ratio) == (0.9, 0.1)
-    assert s.pid_file == tmp_path / "root" / "lmcache-server.pid"
+    assert s.pid_file == tmp_path / "root" / "run" / "lmcache-server.pid"
     assert s.access == "unix" and s.socket_dir == tmp_path / "root" / "run"
     assert access_warning(s) is None
 
@@ -118,7 +118,7 @@ def test_default_adapter_is_kvpersist_plugin(tmp_path: Path) -> None:
         "kvpersist.l2.adapter", "KvPersistL2Adapter")
     assert adapter["adapter_params"] == {
         "path": str(tmp_path / "root"), "max_capacity_gb": "3", "sharded": "true",
-        "walker": "auto", "walk_threads": "0", "direct_io": "false"}
+        "walker": "auto", "walk_threads": "0", "direct_io": "false", "scan_snapshot": "true"}
     assert adapter["persist_enabled"] is True
     assert adapter["eviction"]["trigger_watermark"] == 0.9
     with pytest.raises(SettingsError, match="KVP_L2_SHARDED"):
@@ -184,7 +184,7 @@ def test_stale_pid_is_never_signalled(tmp_path: Path) -> None:
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         s = settings_for(tmp_path)
-        s.cache_root.mkdir(parents=True)
+        s.socket_dir.mkdir(parents=True, mode=0o700)  # the runtime dir holds the pid file
         ticks = process_start_ticks(victim.pid)
         assert ticks is not None
         write_pid_file(s.pid_file, _record(victim.pid, ticks - 1))
@@ -201,7 +201,7 @@ def test_stale_pid_is_never_signalled(tmp_path: Path) -> None:
 def test_stop_signals_the_recorded_process(tmp_path: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     s = settings_for(tmp_path, KVP_STOP_TIMEOUT_S="5")
-    s.cache_root.mkdir(parents=True)
+    s.socket_dir.mkdir(parents=True, mode=0o700)  # the runtime dir holds the pid file
     ticks = process_start_ticks(child.pid)
     assert ticks is not None
     write_pid_file(s.pid_file, _record(child.pid, ticks))

@@ -58,6 +58,7 @@ def _substitutions(settings: ServerSettings) -> dict[str, str]:
         "KVP_WALKER": settings.walker,
         "KVP_WALK_THREADS": str(settings.walk_threads),
         "KVP_L2_DIRECT_IO": "true" if settings.l2_direct_io else "false",
+        "KVP_SCAN_SNAPSHOT": "true" if settings.scan_snapshot else "false",
     }
 
 

@@ -6,3 +6,6 @@ from pathlib import Path
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 SERVER_TEMPLATE = TEMPLATES_DIR / "lmcache-server.env"
 ADAPTER_TEMPLATES = TEMPLATES_DIR / "l2-adapters.json"
+#: Directly under the cache root: the L2 store's own state (its index snapshot), never data.
+#: Here, not in ``l2``, because the launcher keeps its start-up probe there too.
+STATE_DIR_NAME = ".kvpersist-state"

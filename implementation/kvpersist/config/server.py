@@ -60,6 +60,7 @@ DEFAULTS: dict[str, str] = {
     "KVP_WALKER": "auto",
     "KVP_WALK_THREADS": "0",
     "KVP_L2_DIRECT_IO": "false",
+    "KVP_SCAN_SNAPSHOT": "true",
     "KVP_SERVER_NICE": "0",
 }
 
@@ -150,6 +151,7 @@ class ServerSettings:
     walker: str = "auto"  # the start-up scan's walker (auto: C when built)
     walk_threads: int = 0  # its stat threads (0: one per CPU, at most 8)
     l2_direct_io: bool = False  # O_DIRECT payload reads (kvpersist adapter)
+    scan_snapshot: bool = True  # a clean stop leaves an index snapshot for the next start
     #: ``KVP_CACHE_ROOT`` as given: the tree every node mounts (equal to ``cache_root`` unless
     #: ``node_id`` is set, where ``cache_root`` is this node's part of it).
     tree_root: Path | None = None
@@ -203,13 +205,16 @@ class ServerSettings:
 
     @property
     def node_state_dir(self) -> Path:
-        """Where the pid file and the log live: the cache root, or on a shared tree the node's
-        local runtime directory (another node must never read this node's pid as its own)."""
+        """Where the log lives: the cache root, or on a shared tree the node's local runtime
+        directory (another node must never read this node's log as its own)."""
         return self.socket_dir if self.shared else self.cache_root
 
     @property
     def pid_file(self) -> Path:
-        return self.node_state_dir / PID_FILE_NAME
+        """In the runtime directory, never in the cache root: writing and removing it at every
+        start and stop would change the root's mtime, which tells the next start whether the
+        index snapshot still describes the tree (:mod:`kvpersist.l2.snapshot`)."""
+        return self.socket_dir / PID_FILE_NAME
 
     @property
     def log_file(self) -> Path:
@@ -271,6 +276,7 @@ def load_settings(
         walker=values.choice("KVP_WALKER", merged["KVP_WALKER"], WALKERS),
         walk_threads=values.integer("KVP_WALK_THREADS", merged["KVP_WALK_THREADS"], minimum=0),
         l2_direct_io=values.boolean("KVP_L2_DIRECT_IO", merged["KVP_L2_DIRECT_IO"]),
+        scan_snapshot=values.boolean("KVP_SCAN_SNAPSHOT", merged["KVP_SCAN_SNAPSHOT"]),
         eviction_watermark=values.fraction("KVP_EVICTION_WATERMARK", merged["KVP_EVICTION_WATERMARK"]),
         eviction_ratio=values.fraction("KVP_EVICTION_RATIO", merged["KVP_EVICTION_RATIO"]),
         chunk_size=values.positive_int("KVP_CHUNK_SIZE", merged["KVP_CHUNK_SIZE"]),

@@ -56,7 +56,7 @@ _T = TypeVar("_T")
 
 _KNOWN_PARAMS = {"path", "max_capacity_gb", "sharded", "fsync", "io_threads", "file_threads",
                  "quarantine_max_files", "shared_tree", "shared_negative_ttl_s", "walker",
-                 "walk_threads", "direct_io"}
+                 "walk_threads", "direct_io", "scan_snapshot"}
 
 
 class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
@@ -66,7 +66,8 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                  fsync: bool = False, io_threads: int = 4, file_threads: int = 16,
                  quarantine_max_files: int = 1024, shared_tree: str | None = None,
                  shared_negative_ttl_s: float = 2.0, walker: str = "auto",
-                 walk_threads: int = 0, direct_io: bool = False) -> None:
+                 walk_threads: int = 0, direct_io: bool = False,
+                 scan_snapshot: bool = True) -> None:
         self.path = path
         self.max_capacity_gb = max_capacity_gb
         self.sharded = sharded
@@ -79,6 +80,7 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         self.walker = walker
         self.walk_threads = walk_threads
         self.direct_io = direct_io
+        self.scan_snapshot = scan_snapshot
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KvPersistL2AdapterConfig:
@@ -109,6 +111,7 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                 walk_threads=values.integer("walk_threads", d.get("walk_threads", 0),
                                             minimum=0),
                 direct_io=values.boolean("direct_io", d.get("direct_io", False)),
+                scan_snapshot=values.boolean("scan_snapshot", d.get("scan_snapshot", True)),
             )
         except SettingsError as exc:
             raise ValueError(f"kvpersist L2 adapter: {exc}") from None
@@ -137,7 +140,10 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- direct_io (bool): read payloads with O_DIRECT, past the page cache, straight into\n"
             "  L1's buffers where they are page-aligned; verified as ever; a file system that\n"
             "  refuses it falls back to buffered reads with a log line (default false;\n"
-            "  KVP_L2_DIRECT_IO)"
+            "  KVP_L2_DIRECT_IO)\n"
+            "- scan_snapshot (bool): a clean stop leaves an index snapshot, and the next start\n"
+            "  adopts it instead of walking the tree when no data directory changed since\n"
+            "  (stores resume sooner); never on a shared tree (default true; KVP_SCAN_SNAPSHOT)"
         )
 
 
@@ -171,7 +177,8 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             fsync=config.fsync, quarantine_max_files=config.quarantine_max_files,
             on_added=self._announce_added, on_removed=self._announce_removed,
             shared_tree=config.shared_tree, shared_negative_ttl_s=config.shared_negative_ttl_s,
-            walker=config.walker, walk_threads=config.walk_threads, direct_io=config.direct_io)
+            walker=config.walker, walk_threads=config.walk_threads, direct_io=config.direct_io,
+            scan_snapshot=config.scan_snapshot)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()

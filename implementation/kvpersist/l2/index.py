@@ -11,6 +11,9 @@ Invariants (all under one lock)
   While it is incomplete, every reservation is refused (the count is not yet known).
 * ``on_added``/``on_removed`` are called outside the lock, once per change, with exactly the
   keys and sizes that entered or left ``used_bytes``.
+* The index's order is least recently used first: entries are appended as they are added (the
+  scan adds them oldest access first) and :meth:`KeyIndex.touch` moves a read key to the end,
+  as a read moves its file's mtime (the order a snapshot keeps across a clean restart).
 """
 
 from __future__ import annotations
@@ -112,23 +115,34 @@ class KeyIndex:
 
     # -- changes
     def add(self, items: Iterable[tuple[KeyFields, int]], *, release_reserved: int = 0) -> int:
-        """Add entries not yet present; returns how many were added."""
-        keys: list[KeyFields] = []
-        sizes: list[int] = []
+        """Add entries not yet present (a key given twice in ``items`` counts once, at its last
+        size); returns how many were added.  No Python loop runs per entry: a start-up scan
+        adds a million entries through here."""
+        fresh = dict(items)
         with self._lock:
             self._reserved -= release_reserved
-            for key, size in items:
-                if key in self._sizes:
-                    continue
-                self._sizes[key] = size
-                self._used += size
-                keys.append(key)
-                sizes.append(size)
-            if keys:
+            for key in fresh.keys() & self._sizes.keys():
+                del fresh[key]
+            if fresh:
+                self._sizes.update(fresh)
+                self._used += sum(fresh.values())
                 self._version += 1
-        if keys:
-            self._on_added(keys, sizes)
-        return len(keys)
+        if fresh:
+            self._on_added(list(fresh), list(fresh.values()))
+        return len(fresh)
+
+    def touch(self, key: KeyFields) -> None:
+        """``key`` was just read: it becomes the most recently used entry."""
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is not None:
+                self._sizes[key] = size
+
+    def ordered(self) -> tuple[list[KeyFields], list[int], int]:
+        """(keys least recently used first, their sizes, bytes reserved by stores in flight),
+        consistent with each other."""
+        with self._lock:
+            return list(self._sizes), list(self._sizes.values()), self._reserved
 
     def remove(self, key: KeyFields) -> int | None:
         """Drop ``key``; its accounted size, or None if it was not indexed."""

@@ -202,28 +202,42 @@ class Inventory:
         return out
 
     def keys(self, rows: IntArray, *, chunk: int = 32768) -> list[KeyFields]:
-        """The object keys of live ``rows`` (of ``.kvp`` and ``.bin`` names alike), in order.
-        Made in C when built, ``chunk`` rows per call, so that a server thread scanning a
-        million files lets the others run between calls.  The cyclic garbage collector is paused
-        meanwhile: a million new tuples would otherwise trigger collections that cost more than
-        making them (1.2 s of 2.0 s measured), and key tuples never form cycles."""
-        if _walk is None:
-            with _gc_paused():  # both suffixes have four characters
-                return [key_of_stem(self.name(r)[:-4]) for r in rows.tolist()]
-        rows = np.ascontiguousarray(rows, np.int64)
-        name_end, model_idx = self.name_end.tobytes(), self.model_idx.tobytes()
-        out: list[KeyFields] = []
-        with _gc_paused():
-            for start in range(0, rows.size, chunk):
-                out += _walk.live_keys(self.names, name_end, model_idx,
-                                       rows[start:start + chunk].tobytes(), self.model_names,
-                                       KeyFields)
-        return out
+        """The object keys of live ``rows`` (of ``.kvp`` and ``.bin`` names alike), in order
+        (:func:`keys_of_columns`)."""
+        return keys_of_columns(self.names, self.name_end, self.model_idx, self.model_names,
+                               rows, chunk=chunk)
 
     @property
     def cache_bytes(self) -> int:
         """Bytes of every KV file the cache tier owns (live + temp + quarantine)."""
         return int(self.size[self.cls <= QUARANTINE].sum())
+
+
+def keys_of_columns(names: bytes, name_end: IntArray, model_idx: npt.NDArray[np.int32],
+                    model_names: list[str], rows: IntArray, *, chunk: int = 32768
+                    ) -> list[KeyFields]:
+    """The object keys of the live-file ``rows`` of inventory-shaped columns (file ``i`` is
+    ``names[name_end[i-1]:name_end[i]]`` of model ``model_names[model_idx[i]]``), in order.
+    Made in C when built, ``chunk`` rows per call, so that a server thread making a million
+    keys lets the others run between calls.  The cyclic garbage collector is paused
+    meanwhile: a million new tuples would otherwise trigger collections that cost more than
+    making them (1.2 s of 2.0 s measured), and key tuples never form cycles."""
+    if _walk is None:
+        def stem(r: int) -> str:  # both suffixes have four characters
+            start = int(name_end[r - 1]) if r else 0
+            return os.fsdecode(names[start:int(name_end[r])])[:-4]
+
+        with _gc_paused():
+            return [key_of_stem(stem(r)) for r in rows.tolist()]
+    rows = np.ascontiguousarray(rows, np.int64)
+    ends, models = np.ascontiguousarray(name_end, np.int64).tobytes(), \
+        np.ascontiguousarray(model_idx, np.int32).tobytes()
+    out: list[KeyFields] = []
+    with _gc_paused():
+        for start in range(0, rows.size, chunk):
+            out += _walk.live_keys(names, ends, models, rows[start:start + chunk].tobytes(),
+                                   model_names, KeyFields)
+    return out
 
 
 @contextlib.contextmanager

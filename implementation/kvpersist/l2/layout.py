@@ -23,12 +23,15 @@ import functools
 from typing import NamedTuple
 
 from ..atomic import TMP_MARK as TMP_MARK
+from ..config.paths import STATE_DIR_NAME
 
 SUFFIX = ".kvp"
 NIXL_SUFFIX = ".bin"  # nixl_store_dynamic's files, same naming
 CACHE_SUFFIXES = (SUFFIX, NIXL_SUFFIX)
 QUARANTINE_DIR = "quarantine"  # directly under the root; never scanned as data
 LOCK_NAME = ".kvpersist.lock"
+#: Directly under the root: the store's own state (the index snapshot); never data.
+STATE_DIR = STATE_DIR_NAME
 
 
 class FormatError(ValueError):

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
-from .inventory import LIVE, TEMP, UNPARSABLE, build_inventory
+from .inventory import LIVE, TEMP, UNPARSABLE, Inventory, build_inventory
 from .layout import SUFFIX, KeyFields, is_data_dir
 
 
@@ -33,8 +34,21 @@ class ScanResult:
     unparsable_names: int
 
 
-def scan_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "auto",
-              walk_threads: int = 0) -> ScanResult:
+@dataclass
+class TreeWalk:
+    """A walk's inventory and what a scan takes from it, as columns (no Python object per
+    file): ``live`` are the rows of the data directories' ``.kvp`` files whose names parse,
+    least recently used first."""
+
+    inventory: Inventory
+    live: npt.NDArray[np.int64]
+    temp_files: list[str]
+    temp_removed: int
+    unparsable_names: int
+
+
+def walk_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "auto",
+              walk_threads: int = 0) -> TreeWalk:
     """Walk ``root`` with :mod:`kvpersist.l2.inventory`'s ``walker`` (``auto``: C when built;
     the caller's setting, never read from the environment here)."""
     inv = build_inventory(root, walker=walker, threads=walk_threads)
@@ -55,4 +69,14 @@ def scan_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "a
     unparsable = int(np.count_nonzero(data & kvp & (inv.cls == UNPARSABLE)))
     live = np.flatnonzero(data & kvp & (inv.cls == LIVE))
     live = live[np.argsort(inv.mtime_ns[live], kind="stable")]  # oldest access first = LRU
-    return ScanResult(inv.keys(live), inv.size[live].tolist(), temps, removed, unparsable)
+    return TreeWalk(inv, live.astype(np.int64), temps, removed, unparsable)
+
+
+def scan_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "auto",
+              walk_threads: int = 0) -> ScanResult:
+    """:func:`walk_root`, with the live files' keys made."""
+    walk = walk_root(root, sharded=sharded, remove_temps=remove_temps, walker=walker,
+                     walk_threads=walk_threads)
+    inv = walk.inventory
+    return ScanResult(inv.keys(walk.live), inv.size[walk.live].tolist(), walk.temp_files,
+                      walk.temp_removed, walk.unparsable_names)

@@ -26,6 +26,9 @@ Invariants
   (:mod:`kvpersist.l2.shared_tree`).  The index, the byte count, eviction and quarantine cover
   this node's part only, so each node's cap holds for the files it wrote; a key another node
   holds is never stored again here ('exists').
+* **A clean close leaves an index snapshot** (:mod:`kvpersist.l2.snapshot`), and the next open
+  adopts it instead of walking the disk when the tree is provably unchanged; any doubt walks
+  the disk.  Never on a shared tree, whose directory times a distributed file system keeps.
 * :meth:`check` finds nothing wrong whenever no store, load or delete is in flight; every store
   test ends on it (python-diskcache's ``Cache.check()`` is the model).
 """
@@ -56,8 +59,10 @@ from .files import (
 )
 from .format import HEADER_SIZE
 from .index import KeyIndex, KeysCallback, Reservation
+from .inventory import InventoryError, keys_of_columns
 from .layout import (
     QUARANTINE_DIR,
+    STATE_DIR,
     FormatError,
     KeyFields,
     Row,
@@ -66,8 +71,9 @@ from .layout import (
     shard_path_parts,
 )
 from .lock import RootLockedError, take_root_lock
-from .scan import scan_root
+from .scan import scan_root, walk_root
 from .shared_tree import SharedTree
+from .snapshot import decode, remove_leftovers, take_snapshot, unchanged, write_snapshot
 from .stats import StoreStats
 
 __all__ = ["KvFileStore", "RootLockedError", "StoreStats"]
@@ -113,6 +119,7 @@ class KvFileStore:
         walker: str = "auto",
         walk_threads: int = 0,
         direct_io: bool = False,
+        scan_snapshot: bool = True,
     ) -> None:
         self.root = Path(root)
         self.sharded = sharded
@@ -127,6 +134,9 @@ class KvFileStore:
         self._scan_seconds: float | None = None
         self._scanned_files = 0
         self._scan_failures = 0
+        self._scan_source: str | None = None  # "snapshot" or "disk", once a scan succeeded
+        #: Adopt and leave index snapshots (a clean restart reads one file, not the tree).
+        self.scan_snapshot = scan_snapshot and shared_tree is None
         self._closing = threading.Event()
         self._remove_temps = True
         if walker not in WALKERS:
@@ -154,6 +164,9 @@ class KvFileStore:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / QUARANTINE_DIR).mkdir(mode=0o700, exist_ok=True)
         self._lock_fd = take_root_lock(self.root)
+        if self.scan_snapshot:
+            (self.root / STATE_DIR).mkdir(mode=0o700, exist_ok=True)
+            remove_leftovers(self.root)
         self._census.count_now()
         if background_scan:
             self._scan_thread = threading.Thread(target=self._scan_until_done,
@@ -167,8 +180,27 @@ class KvFileStore:
         if self._scan_thread is not None:
             self._scan_thread.join(timeout=30)
         if self._lock_fd >= 0:
+            self._leave_snapshot()
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
+
+    def _leave_snapshot(self) -> None:
+        """Walk the tree and leave it as the index snapshot for the next start (while the
+        root's lock is held; see :mod:`kvpersist.l2.snapshot`)."""
+        if not self.scan_snapshot or not self.index.complete or self._scan_error is not None:
+            return
+        began = time.monotonic()
+        try:
+            files = write_snapshot(self.root, self.sharded, lambda: walk_root(
+                self.root, sharded=self.sharded, remove_temps=False, walker=self.walker,
+                walk_threads=self.walk_threads))
+        except (OSError, InventoryError) as exc:
+            logger.warning("kvpersist L2: no index snapshot of %s (%s); the next start walks "
+                           "the disk", self.root, exc)
+            return
+        if files is not None:
+            logger.info("kvpersist L2: index snapshot of %s written (%d files, %.2fs)",
+                        self.root, files, time.monotonic() - began)
 
     def wait_scan(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -194,15 +226,23 @@ class KvFileStore:
         refused) and records why."""
         began = time.monotonic()
         try:
-            found = scan_root(self.root, sharded=self.sharded, remove_temps=self._remove_temps,
-                              walker=self.walker, walk_threads=self.walk_threads)
-            self.stats.add(temp_removed=found.temp_removed,
-                           unparsable_names=found.unparsable_names)
-            batch = 4096
-            for start in range(0, len(found.keys), batch):
-                self.index.add(zip(found.keys[start:start + batch],
-                                   found.sizes[start:start + batch], strict=True))
-            self._scanned_files = len(found.keys)
+            adopted = self._adopt_snapshot()
+            if adopted is not None:
+                keys, sizes = adopted
+                self._scan_source = "snapshot"
+            else:
+                found = scan_root(self.root, sharded=self.sharded,
+                                  remove_temps=self._remove_temps, walker=self.walker,
+                                  walk_threads=self.walk_threads)
+                self.stats.add(temp_removed=found.temp_removed,
+                               unparsable_names=found.unparsable_names)
+                keys, sizes = found.keys, found.sizes
+                self._scan_source = "disk"
+            batch = 32768  # lookups wait on the index's lock for one batch at most
+            for start in range(0, len(keys), batch):
+                self.index.add(zip(keys[start:start + batch], sizes[start:start + batch],
+                                   strict=True))
+            self._scanned_files = len(keys)
         except Exception as exc:  # keep serving lookups; refuse stores; report the failure
             self._scan_failures += 1
             self._scan_error = f"{type(exc).__name__}: {exc}"
@@ -217,9 +257,35 @@ class KvFileStore:
                            self._scan_error)
         self._scan_error = None
         self.index.mark_complete()
-        logger.info("kvpersist L2 scan of %s: %d files, %d bytes, %.2fs",
-                    self.root, len(self.index), self.index.used_bytes, self._scan_seconds)
+        logger.info("kvpersist L2 scan of %s (from the %s): %d files, %d bytes, %.2fs",
+                    self.root, self._scan_source, len(self.index), self.index.used_bytes,
+                    self._scan_seconds)
         return True
+
+    def _adopt_snapshot(self) -> tuple[list[KeyFields], list[int]] | None:
+        """The keys and sizes of the snapshot a clean close left, if the tree is provably
+        unchanged since (see :mod:`kvpersist.l2.snapshot`); else None, and the disk is walked.
+        The snapshot is removed either way: it is used at most once."""
+        if not self.scan_snapshot:
+            return None
+        try:
+            raw = take_snapshot(self.root)
+            if raw is None:
+                return None
+            snap = decode(raw)
+            why = (f"it was written with sharded={snap.sharded}" if snap.sharded != self.sharded
+                   else unchanged(self.root, snap.stamps))
+            if why is None:
+                keys = keys_of_columns(snap.names, snap.name_end, snap.model_idx,
+                                       snap.model_names, snap.rows)
+                why = unchanged(self.root, snap.stamps)  # nothing changed meanwhile
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if why is not None:
+            logger.info("kvpersist L2: the index snapshot of %s is not used (%s); walking the "
+                        "disk", self.root, why)
+            return None
+        return keys, snap.sizes.tolist()
 
     @property
     def scan_error(self) -> str | None:
@@ -348,6 +414,7 @@ class KvFileStore:
             logger.warning("kvpersist L2: read of %s failed: %s", path.name, read.error)
             self.stats.add(loads=1, load_misses=1)
             return False
+        self.index.touch(key)
         self.stats.add(loads=1, load_hits=1, loaded_bytes=out.nbytes,
                        verify_seconds=read.verify_seconds,
                        load_seconds=time.perf_counter() - began)
@@ -471,6 +538,7 @@ class KvFileStore:
             "usage_fraction": used / self.capacity_bytes,
             "scan_done": self.index.complete,
             "scan_seconds": self._scan_seconds,
+            "scan_source": self._scan_source,
             "scan_error": self._scan_error,
             "scan_failures": self._scan_failures,
             "direct_io": self.direct_io,

@@ -23,6 +23,7 @@ Invariants
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import json
 import os
@@ -38,6 +39,7 @@ from typing import Any, NoReturn
 
 from ..config.adapters import l2_adapter_config
 from ..config.environment import process_env
+from ..config.paths import STATE_DIR_NAME
 from ..config.server import NODES_DIR_NAME, ServerSettings, access_warning, node_part_names
 from . import http
 from .lmcache_compat.status import PATH as STATUS_PATH
@@ -157,8 +159,13 @@ def prepare_cache_root(root: Path) -> None:
         raise ServerError(
             f"cannot create KVP_CACHE_ROOT={root}: {exc.strerror}; choose a writable path"
         ) from None
-    probe = root / f".kvp-write-probe.{os.getpid()}"
+    # The probe goes to the root's state directory, made once: a file made and removed in the
+    # root at every start would change the root's mtime and void the index snapshot.
+    probe = root / STATE_DIR_NAME / f".kvp-write-probe.{os.getpid()}"
     try:
+        probe.parent.mkdir(mode=0o700, exist_ok=True)
+        if not os.access(root, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
@@ -192,6 +199,7 @@ def check_preconditions(settings: ServerSettings) -> PidStatus:
     if settings.shared:
         check_node_shares(settings)
     prepare_cache_root(settings.cache_root)
+    _ensure_runtime_dir(settings)  # it holds the pid file in either access mode
     try:
         check_private_file(settings.pid_file, "the pid file")
         check_private_file(settings.log_file, "the server log")
@@ -215,8 +223,8 @@ def check_preconditions(settings: ServerSettings) -> PidStatus:
     return status
 
 
-def _prepare_runtime_dir(settings: ServerSettings) -> None:
-    """The private runtime directory, with no live server's socket and no stale one in it."""
+def _ensure_runtime_dir(settings: ServerSettings) -> None:
+    """The private runtime directory (the pid file's and, with Unix sockets, the sockets')."""
     try:
         ensure_private_dir(settings.socket_dir, "KVP_RUNTIME_DIR", group=settings.access_gid)
     except PrivatePathError as exc:
@@ -224,6 +232,11 @@ def _prepare_runtime_dir(settings: ServerSettings) -> None:
     except OSError as exc:
         raise ServerError(f"cannot create KVP_RUNTIME_DIR={settings.socket_dir}: "
                           f"{exc.strerror}; choose a writable path") from None
+
+
+def _prepare_runtime_dir(settings: ServerSettings) -> None:
+    """The private runtime directory, with no live server's socket and no stale one in it."""
+    _ensure_runtime_dir(settings)
     if is_healthy(settings, timeout=1.0):
         raise ServerError(f"a server already answers on {settings.http_socket}; one server per "
                           "runtime directory. Stop it, or set another KVP_RUNTIME_DIR")

@@ -90,7 +90,8 @@ def register(sub: Subparsers) -> None:
         help="start, stop or inspect the LMCache MP server for KVP_CACHE_ROOT",
         description="start: validate settings, check the root, runtime directory (or ports) and "
         "their modes, spawn the LMCache server in the background with telemetry off, write "
-        "KVP_CACHE_ROOT/lmcache-server.pid and wait for /healthcheck. run: the same checks, then "
+        "the pid file (in KVP_RUNTIME_DIR, default KVP_CACHE_ROOT/run) and wait for "
+        "/healthcheck. run: the same checks, then "
         "become the server in the foreground (systemd Type=simple; output to stdout). stop: "
         "SIGTERM the recorded process (only if pid and start time match) and wait; SIGKILL "
         "after KVP_STOP_TIMEOUT_S.",

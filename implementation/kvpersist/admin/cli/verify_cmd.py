@@ -27,8 +27,9 @@ from .common import (
 
 def cmd_check(settings: ServerSettings, as_json: bool) -> int:
     """The store's consistency oracle on a root no server serves (it takes the root's lock)."""
+    # scan_snapshot off: the check neither consumes the server's snapshot nor leaves one
     store = KvFileStore(settings.cache_root, int(settings.node_budget_gb * GIB),
-                        sharded=settings.l2_sharded)
+                        sharded=settings.l2_sharded, scan_snapshot=False)
     try:
         store.open(background_scan=False, remove_temps=False)
     except RootLockedError as exc:
