@@ -2,16 +2,22 @@
 
 Generates a tree of N sparse ``.kvp`` files (names and sizes as the adapter writes them; no data
 blocks; an existing tree under ``--root`` is reused), then in one run times
-``find ROOT -type f | wc -l`` and the store's scan until its index is complete, once with the C
-walker and key parser and once with their pure-Python fallbacks, and measures lookups answered
-*while* each scan runs (from the disk, with the deterministic file name).
+``find ROOT -type f | wc -l`` and, until the store's index is complete (stores resume then):
 
-    .venv/bin/python benchmarks/bench_l2_scan.py [--files 1000000] [--root DIR] [--sharded] [--keep]
+- the walk a start after a crash makes (C walker and key parser; with ``--python-walker`` also
+  their pure-Python fallbacks), with lookups answered *while* it runs (from the disk);
+- a clean stop (the store's close, which walks the tree once more and writes the index
+  snapshot);
+- the start after that clean stop, which adopts the snapshot.
+
+    .venv/bin/python benchmarks/bench_l2_scan.py [--files 1000000] [--root DIR] [--sharded]
+        [--keep] [--python-walker] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -49,9 +55,11 @@ def generate(root: Path, n: int, sharded: bool) -> None:
             print(f"  generated {i} files ({time.monotonic() - began:.0f}s)", flush=True)
 
 
-def timed_scan(root: Path, files: int, sharded: bool) -> tuple[float, list[float], int, int]:
-    """(seconds until the index is complete, lookup latencies meanwhile, hits, files indexed)."""
-    store = KvFileStore(root, 10**15, sharded=sharded)
+def timed_scan(root: Path, files: int, sharded: bool, *, snapshot: bool
+               ) -> tuple[float, list[float], int, KvFileStore]:
+    """(seconds until the index is complete, lookup latencies meanwhile, hits, the open
+    store)."""
+    store = KvFileStore(root, 10**15, sharded=sharded, scan_snapshot=snapshot)
     lookup_lat: list[float] = []
     hits = 0
     began = time.monotonic()
@@ -68,8 +76,14 @@ def timed_scan(root: Path, files: int, sharded: bool) -> tuple[float, list[float
     indexed = len(store)
     assert indexed == files, (indexed, files)
     assert store.used_bytes == files * (HEADER_SIZE + CHUNK)
-    store.close()
-    return scan_s, lookup_lat, hits, indexed
+    return scan_s, lookup_lat, hits, store
+
+
+def report(label: str, seconds: float, find_s: float, lookup_lat: list[float], hits: int) -> None:
+    print(f"{label:<38}: {seconds:6.2f}s ({seconds / find_s:.2f}x find)")
+    if lookup_lat:
+        print(f"  lookups during it: {len(lookup_lat)} answered, {hits} hits, p50 "
+              f"{1e6 * statistics.median(lookup_lat):.0f} us, max {1e6 * max(lookup_lat):.0f} us")
 
 
 def main() -> int:
@@ -78,11 +92,16 @@ def main() -> int:
     parser.add_argument("--root", help="where to build the tree (default: a temp dir)")
     parser.add_argument("--sharded", action="store_true", help="two-level ab/cd/ layout")
     parser.add_argument("--keep", action="store_true", help="keep the generated tree")
+    parser.add_argument("--python-walker", action="store_true",
+                        help="also time the pure-Python walker (slow)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="kvp-scan-"))
     root.mkdir(parents=True, exist_ok=True)
+    figures: dict[str, object] = {"files": args.files, "sharded": args.sharded}
+    c_walker = inventory._walk
     try:
-        if any(root.iterdir()):
+        if any(p for p in root.iterdir() if not p.name.startswith(".")):
             print(f"reusing the tree in {root}")
         else:
             print(f"generating {args.files} sparse files in {root} (sharded={args.sharded})")
@@ -91,20 +110,36 @@ def main() -> int:
         found = subprocess.run(f"find {root} -type f | wc -l", shell=True, check=True,
                                capture_output=True, text=True).stdout.strip()
         find_s = time.monotonic() - began
+        figures["find_s"] = find_s
         print(f"find -type f | wc -l : {found} files in {find_s:.2f}s")
-        c_walker = inventory._walk
-        for label, walker in (("C walker", c_walker), ("Python walker", None)):
+        walkers = [("C walker", c_walker)] + ([("Python walker", None)]
+                                              if args.python_walker else [])
+        for label, walker in walkers:
             inventory._walk = walker
-            scan_s, lookup_lat, hits, indexed = timed_scan(root, args.files, args.sharded)
-            print(f"scan, {label:13s}: {indexed} files indexed in {scan_s:.2f}s "
-                  f"({scan_s / find_s:.2f}x find)")
-            if lookup_lat:
-                print(f"  lookups during the scan: {len(lookup_lat)} answered, {hits} hits, p50 "
-                      f"{1e6 * statistics.median(lookup_lat):.0f} us, max "
-                      f"{1e6 * max(lookup_lat):.0f} us")
+            scan_s, lat, hits, store = timed_scan(root, args.files, args.sharded, snapshot=False)
+            store.close()
+            figures[f"walk_{label.split()[0].lower()}_s"] = scan_s
+            report(f"start after a crash, walk ({label})", scan_s, find_s, lat, hits)
+        inventory._walk = c_walker
+        _, _, _, store = timed_scan(root, args.files, args.sharded, snapshot=True)
+        began = time.monotonic()
+        store.close()  # a clean stop: walks once more and writes the snapshot
+        close_s = time.monotonic() - began
+        figures["clean_stop_s"] = close_s
+        report("clean stop (walk + write the snapshot)", close_s, find_s, [], 0)
+        scan_s, lat, hits, store = timed_scan(root, args.files, args.sharded, snapshot=True)
+        source = store.status()["scan_source"]
+        store.close()
+        if source != "snapshot":
+            raise SystemExit(f"the start after a clean stop did not adopt the snapshot ({source})")
+        figures["start_after_clean_stop_s"] = scan_s
+        report("start after a clean stop (snapshot)", scan_s, find_s, lat, hits)
     finally:
+        inventory._walk = c_walker
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 

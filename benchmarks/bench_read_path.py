@@ -10,6 +10,12 @@ aligned), and reads every file whole:
 - ``kvpersist buffered`` / ``kvpersist direct``: ``KvFileStore.read_into`` (header, key, size
   and xxh3 of the payload checked; ``direct_io`` off / on).
 
+And the write path, the same bytes on the same threads, each pass ending on ``sync`` (timed), so
+the device has the bytes:
+
+- ``raw write``: one ``pwritev`` of header-sized zeros and the payload into a new file;
+- ``kvpersist store``: ``KvFileStore.put`` (xxh3 of the payload, header, temp file, rename).
+
     sudo .venv/bin/python benchmarks/bench_read_path.py --files 64 --mib 16 \\
         --json benchmarks/results/read-path.json --plot benchmarks/results/read-path.png
 
@@ -39,6 +45,7 @@ from kvpersist.testing.slow_disk import drop_caches
 
 NS = "kvp-" + "b" * 32
 READERS = ("raw buffered", "raw direct", "kvpersist buffered", "kvpersist direct")
+WRITERS = ("raw write", "kvpersist store")
 
 
 def key(i: int) -> KeyFields:
@@ -101,6 +108,48 @@ def timed_pass(read: Callable[[int, memoryview], int], bufs: list[memoryview], c
     return elapsed
 
 
+def timed_writes(write: Callable[[int], bool], count: int, threads: int) -> float:
+    """Seconds to write ``count`` files on ``threads`` threads and ``sync`` them."""
+    os.sync()  # the previous pass's dirty pages are not this pass's cost
+    began = time.monotonic()
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(write, range(count)))
+    os.sync()
+    elapsed = time.monotonic() - began
+    if not all(results):
+        raise RuntimeError("a write failed")
+    return elapsed
+
+
+def write_passes(root: Path, data: bytes, args: argparse.Namespace) -> dict[str, float]:
+    """The best seconds of each writer over ``--repeats`` alternating passes."""
+    header = bytes(4096)
+    best: dict[str, float] = {}
+    for n in range(args.repeats):
+        for writer in WRITERS:
+            target = root / f"write-{writer.split()[0]}-{n}"
+            target.mkdir()
+            if writer == "raw write":
+                def write(i: int, target: Path = target) -> bool:
+                    fd = os.open(target / f"{i}.raw", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    try:
+                        return os.pwritev(fd, [header, data], 0) == len(header) + len(data)
+                    finally:
+                        os.close(fd)
+                seconds = timed_writes(write, args.files, args.threads)
+            else:
+                store = KvFileStore(target, 10**13, scan_snapshot=False)
+                store.open(background_scan=False)
+                try:
+                    seconds = timed_writes(lambda i, s=store: s.put(key(i), data) == "stored",
+                                           args.files, args.threads)
+                finally:
+                    store.close()
+            best[writer] = min(best.get(writer, seconds), seconds)
+            subprocess.run(["rm", "-rf", str(target)], check=True)
+    return best
+
+
 def run_device(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     size = args.mib << 20
     store = KvFileStore(root / "cache", 10**13)
@@ -133,6 +182,7 @@ def run_device(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
                     still_direct = still_direct and store.direct_io
                 best[reader] = min(best.get(reader, seconds), seconds)
         verify_s = store.status().get("verify_seconds")
+        best.update(write_passes(root, data, args))
     finally:
         store.close()
     gib = args.files * size / 2**30
@@ -146,6 +196,8 @@ def run_device(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
             "kvpersist_best_over_raw_best": round(
                 max(rates["kvpersist direct"], rates["kvpersist buffered"])
                 / max(rates["raw direct"], rates["raw buffered"]), 3),
+            "kvpersist_store_over_raw_write": round(rates["kvpersist store"]
+                                                    / rates["raw write"], 3),
             "verify_seconds_total": verify_s}
 
 
@@ -168,20 +220,21 @@ def main() -> int:
             with tempfile.TemporaryDirectory(dir=args.disk_dir) as d:
                 results.append(run_device("VM disk", Path(d), args))
         elif device == "ram":
-            gib = args.files * (args.mib + 1) / 1024 * 1.3 + 0.5
+            gib = 2 * args.files * (args.mib + 1) / 1024 * 1.2 + 0.5  # read set + a write pass
             with ram_device(gib) as root:
                 results.append(run_device("RAM loop device", root, args))
         else:
             parser.error(f"unknown device {device!r}")
     print(json.dumps(results, indent=2))
-    print(f"\n{'device':<16} " + " ".join(f"{r:>19}" for r in READERS) + "   (GiB/s)")
+    columns = READERS + WRITERS
+    print(f"\n{'device':<16} " + " ".join(f"{r:>19}" for r in columns) + "   (GiB/s)")
     for r in results:
-        print(f"{r['device']:<16} " + " ".join(f"{r['gib_per_s'][k]:>19.2f}" for k in READERS))
+        print(f"{r['device']:<16} " + " ".join(f"{r['gib_per_s'][k]:>19.2f}" for k in columns))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     if args.plot:
-        bar_plot(args.plot, f"Reading {args.files} x {args.mib} MiB files, page cache dropped, "
-                 f"{args.threads} threads", "GiB/s",
+        bar_plot(args.plot, f"Reading (page cache dropped) and writing (synced) {args.files} x "
+                 f"{args.mib} MiB files, {args.threads} threads", "GiB/s",
                  {r["device"]: r["gib_per_s"] for r in results})
     return 0
 

@@ -110,6 +110,7 @@ class Snapshot:
     stamps: list[Stamp]
     used_bytes: int
     sharded: bool
+    unparsable_names: int
 
     def __len__(self) -> int:
         return int(self.rows.size)
@@ -183,6 +184,7 @@ def _encode(walked: TreeWalk, stamps: list[Stamp], sharded: bool) -> list[bytes]
         "version": VERSION, "sharded": sharded, "stamps": stamps,
         "names_bytes": len(inv.names), "entries": len(inv), "files": int(rows.size),
         "used_bytes": int(sizes.sum()), "model_names": list(inv.model_names),
+        "unparsable_names": walked.unparsable_names,
     }).encode()
     parts = [MAGIC, struct.pack("<Q", len(header)), header, bytes(inv.names),
              np.ascontiguousarray(inv.name_end, np.int64).tobytes(),
@@ -252,4 +254,5 @@ def decode(raw: bytes) -> Snapshot:
         raise ValueError("byte count does not match its sizes")
     stamps = [(str(rel), int(ino), int(mtime)) for rel, ino, mtime in header["stamps"]]
     return Snapshot(names, ends, model_idx, rows, sizes, model_names, stamps,
-                    int(header["used_bytes"]), bool(header["sharded"]))
+                    int(header["used_bytes"]), bool(header["sharded"]),
+                    int(header["unparsable_names"]))

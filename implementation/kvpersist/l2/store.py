@@ -228,7 +228,8 @@ class KvFileStore:
         try:
             adopted = self._adopt_snapshot()
             if adopted is not None:
-                keys, sizes = adopted
+                keys, sizes, unparsable = adopted
+                self.stats.add(unparsable_names=unparsable)
                 self._scan_source = "snapshot"
             else:
                 found = scan_root(self.root, sharded=self.sharded,
@@ -262,10 +263,10 @@ class KvFileStore:
                     self._scan_seconds)
         return True
 
-    def _adopt_snapshot(self) -> tuple[list[KeyFields], list[int]] | None:
-        """The keys and sizes of the snapshot a clean close left, if the tree is provably
-        unchanged since (see :mod:`kvpersist.l2.snapshot`); else None, and the disk is walked.
-        The snapshot is removed either way: it is used at most once."""
+    def _adopt_snapshot(self) -> tuple[list[KeyFields], list[int], int] | None:
+        """The keys, sizes and unparsable-name count of the snapshot a clean close left, if the
+        tree is provably unchanged since (see :mod:`kvpersist.l2.snapshot`); else None, and the
+        disk is walked.  The snapshot is removed either way: it is used at most once."""
         if not self.scan_snapshot:
             return None
         try:
@@ -285,7 +286,7 @@ class KvFileStore:
             logger.info("kvpersist L2: the index snapshot of %s is not used (%s); walking the "
                         "disk", self.root, why)
             return None
-        return keys, snap.sizes.tolist()
+        return keys, snap.sizes.tolist(), snap.unparsable_names
 
     @property
     def scan_error(self) -> str | None:
