@@ -160,6 +160,13 @@ def raw_block_stored(settings: ServerSettings) -> int:
     return int(core.get("indexed_key_count", 0)) if isinstance(core, dict) else 0
 
 
+def adapter_counters(settings: ServerSettings) -> dict[str, Any]:
+    """The kvpersist adapter's status (its load and verify seconds since the server started)."""
+    status = server_status.fetch(settings.http_url, timeout=10) or {}
+    adapters = server_status.l2_adapters(status)
+    return dict(adapters[0]) if adapters else {}
+
+
 def stored_chunks(adapter: str, root: Path, settings: ServerSettings) -> int:
     if adapter == "raw_block":
         return raw_block_stored(settings)
@@ -251,6 +258,7 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
                         num_tokens=tokens, shape_spec=spec, num_blocks=blocks,
                         transfer_mode=transfer_mode)
         trip = d.timed_restore(0, sums)
+        own = adapter_counters(settings) if kind == "kvpersist" else {}
         again = d.timed_restore(0, sums)  # every chunk in L1 now: LMCache's fixed LOOKUP cost
         d.close()
     finally:
@@ -264,6 +272,8 @@ def one_round(adapter: str, root: Path, tokens: int, kv_per_token: int, l1_gb: f
             "l1_to_l2_s": l1_to_l2_s, "raw_write_s": raw_write_s, "raw_read_s": raw_read_s,
             "raw_direct_read_s": raw_direct_s, "l2_to_l1_s": trip.lookup_s,
             "l1_lookup_s": again.lookup_s if again.ok else None,
+            # kvpersist's own counters of that restore, summed over its reading threads
+            "adapter_load_s": own.get("load_seconds"), "adapter_verify_s": own.get("verify_seconds"),
             "restore_s": trip.restore_s}
 
 

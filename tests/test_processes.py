@@ -55,7 +55,7 @@ def test_a_killed_process_is_gone_only_when_its_socket_is_closed(tmp_path: Path)
 
 def test_kill_server_signals_the_recorded_process_and_waits(tmp_path: Path) -> None:
     settings = load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path / "root")})
-    settings.cache_root.mkdir(parents=True)
+    settings.socket_dir.mkdir(parents=True, mode=0o700)  # the runtime dir holds the pid file
     child, ticks = busy_listener(tmp_path / "s.sock")
     try:
         write_pid_file(settings.pid_file, PidRecord(child.pid, ticks - 1, "lmcache server", 1, 2))

@@ -10,7 +10,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"]
+COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf",
+           "#7f7f7f", "#bcbd22"]
 
 
 def line_plot(path: Path, title: str, x_label: str, y_label: str,
