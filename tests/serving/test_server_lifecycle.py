@@ -118,7 +118,7 @@ def test_default_adapter_is_kvpersist_plugin(tmp_path: Path) -> None:
         "kvpersist.l2.adapter", "KvPersistL2Adapter")
     assert adapter["adapter_params"] == {
         "path": str(tmp_path / "root"), "max_capacity_gb": "3", "sharded": "true",
-        "walker": "auto", "walk_threads": "0", "direct_io": "false", "scan_snapshot": "true"}
+        "walker": "auto", "walk_threads": "0", "direct_io": "true", "scan_snapshot": "true"}
     assert adapter["persist_enabled"] is True
     assert adapter["eviction"]["trigger_watermark"] == 0.9
     with pytest.raises(SettingsError, match="KVP_L2_SHARDED"):

@@ -59,7 +59,7 @@ DEFAULTS: dict[str, str] = {
     "KVP_RESTORE_WINDOW_GB": "auto",
     "KVP_WALKER": "auto",
     "KVP_WALK_THREADS": "0",
-    "KVP_L2_DIRECT_IO": "false",
+    "KVP_L2_DIRECT_IO": "true",
     "KVP_SCAN_SNAPSHOT": "true",
     "KVP_SERVER_NICE": "0",
 }
@@ -150,7 +150,7 @@ class ServerSettings:
     shared_nodes: int = 1
     walker: str = "auto"  # the start-up scan's walker (auto: C when built)
     walk_threads: int = 0  # its stat threads (0: one per CPU, at most 8)
-    l2_direct_io: bool = False  # O_DIRECT payload reads (kvpersist adapter)
+    l2_direct_io: bool = True  # O_DIRECT payload reads (kvpersist adapter)
     scan_snapshot: bool = True  # a clean stop leaves an index snapshot for the next start
     #: ``KVP_CACHE_ROOT`` as given: the tree every node mounts (equal to ``cache_root`` unless
     #: ``node_id`` is set, where ``cache_root`` is this node's part of it).

@@ -66,7 +66,7 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                  fsync: bool = False, io_threads: int = 4, file_threads: int = 16,
                  quarantine_max_files: int = 1024, shared_tree: str | None = None,
                  shared_negative_ttl_s: float = 2.0, walker: str = "auto",
-                 walk_threads: int = 0, direct_io: bool = False,
+                 walk_threads: int = 0, direct_io: bool = True,
                  scan_snapshot: bool = True) -> None:
         self.path = path
         self.max_capacity_gb = max_capacity_gb
@@ -110,7 +110,7 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                 walker=values.choice("walker", d.get("walker", "auto"), WALKERS),
                 walk_threads=values.integer("walk_threads", d.get("walk_threads", 0),
                                             minimum=0),
-                direct_io=values.boolean("direct_io", d.get("direct_io", False)),
+                direct_io=values.boolean("direct_io", d.get("direct_io", True)),
                 scan_snapshot=values.boolean("scan_snapshot", d.get("scan_snapshot", True)),
             )
         except SettingsError as exc:
@@ -139,7 +139,7 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "  (default 0; KVP_WALK_THREADS)\n"
             "- direct_io (bool): read payloads with O_DIRECT, past the page cache, straight into\n"
             "  L1's buffers where they are page-aligned; verified as ever; a file system that\n"
-            "  refuses it falls back to buffered reads with a log line (default false;\n"
+            "  refuses it falls back to buffered reads with a log line (default true;\n"
             "  KVP_L2_DIRECT_IO)\n"
             "- scan_snapshot (bool): a clean stop leaves an index snapshot, and the next start\n"
             "  adopts it instead of walking the tree when no data directory changed since\n"

@@ -35,6 +35,20 @@ class RoundTrip:
     checksums_match: bool
 
 
+#: How long a LOOKUP may take to load from L2 before the bench client reports it as 0 hits.
+LOOKUP_POLL_S = 120.0
+_ORIGINAL_POLL: dict[str, Any] = {}
+
+
+def _allow_long_loads(helpers: Any) -> None:
+    """The bench client gives a LOOKUP's prefetch 50 polls of 50 ms (2.5 s) and then reports
+    0 hits, which a multi-GB load from L2 does not fit in; poll for :data:`LOOKUP_POLL_S`."""
+    original = _ORIGINAL_POLL.setdefault("poll", helpers._poll_prefetch_status)
+    polls = int(LOOKUP_POLL_S / 0.05)
+    helpers._poll_prefetch_status = lambda client, request_id, max_polls=polls, \
+        poll_interval=0.05: original(client, request_id, max_polls, poll_interval)
+
+
 class BenchDriver:
     """One connected ``ServerBenchClient`` using ``model_name`` for its keys."""
 
@@ -46,6 +60,7 @@ class BenchDriver:
         from lmcache.cli.commands.bench.server_bench.config import BenchConfig
 
         helpers._MODEL_NAME = model_name  # the client module reads it at call time
+        _allow_long_loads(helpers)
         self._helpers = helpers
         self.model_name = model_name
         config = BenchConfig(rpc_url=zmq_url, http_url=http_url, mode="cpu",
