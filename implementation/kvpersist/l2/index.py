@@ -121,13 +121,14 @@ class KeyIndex:
         fresh = dict(items)
         with self._lock:
             self._reserved -= release_reserved
-            for key in fresh.keys() & self._sizes.keys():
-                del fresh[key]
+            if self._sizes:
+                for key in fresh.keys() & self._sizes.keys():
+                    del fresh[key]
             if fresh:
                 self._sizes.update(fresh)
                 self._used += sum(fresh.values())
                 self._version += 1
-        if fresh:
+        if fresh and self._on_added is not _ignore:
             self._on_added(list(fresh), list(fresh.values()))
         return len(fresh)
 

@@ -213,7 +213,7 @@ class Inventory:
         return int(self.size[self.cls <= QUARANTINE].sum())
 
 
-def keys_of_columns(names: bytes, name_end: IntArray, model_idx: npt.NDArray[np.int32],
+def keys_of_columns(names: bytes | memoryview, name_end: IntArray, model_idx: npt.NDArray[np.int32],
                     model_names: list[str], rows: IntArray, *, chunk: int = 32768
                     ) -> list[KeyFields]:
     """The object keys of the live-file ``rows`` of inventory-shaped columns (file ``i`` is
@@ -225,7 +225,7 @@ def keys_of_columns(names: bytes, name_end: IntArray, model_idx: npt.NDArray[np.
     if _walk is None:
         def stem(r: int) -> str:  # both suffixes have four characters
             start = int(name_end[r - 1]) if r else 0
-            return os.fsdecode(names[start:int(name_end[r])])[:-4]
+            return os.fsdecode(bytes(names[start:int(name_end[r])]))[:-4]
 
         with _gc_paused():
             return [key_of_stem(stem(r)) for r in rows.tolist()]
