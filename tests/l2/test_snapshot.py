@@ -8,7 +8,6 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from kvpersist.l2.layout import STATE_DIR, KeyFields
 from kvpersist.l2.scan import scan_root
 from kvpersist.l2.snapshot import SNAPSHOT_NAME, decode, snapshot_path
 from kvpersist.l2.store import KvFileStore
+from kvpersist.testing.checked_stores import open_checked_store, untrack
 
 NS = "kvp-" + "c" * 32
 
@@ -31,14 +31,8 @@ def payload(i: int, size: int = 4096) -> bytes:
     return bytes((i * 17 + j) % 251 for j in range(size))
 
 
-_OPENED: list[KvFileStore] = []
-
-
-def opened(root: Path, **kw: object) -> KvFileStore:
-    store = KvFileStore(root, 10**9, **kw)  # type: ignore[arg-type]
-    store.open(background_scan=False)
-    _OPENED.append(store)
-    return store
+# Each test ends on ``KvFileStore.check()`` of the stores it opened (tests/l2/conftest.py).
+opened = open_checked_store
 
 
 def filled(root: Path, n: int = 6, **kw: object) -> KvFileStore:
@@ -46,16 +40,6 @@ def filled(root: Path, n: int = 6, **kw: object) -> KvFileStore:
     for i in range(n):
         assert store.put(key(i), payload(i)) == "stored"
     return store
-
-
-@pytest.fixture(autouse=True)
-def every_test_ends_on_a_consistent_store() -> Iterator[None]:
-    _OPENED.clear()
-    yield
-    latest = {store.root: store for store in _OPENED}
-    for store in latest.values():
-        assert store.check(deep=True) == []
-        store.close()
 
 
 def disk_bytes(root: Path) -> int:
@@ -200,7 +184,7 @@ def test_a_crash_leaves_no_snapshot_to_adopt(tmp_path: Path) -> None:
     assert not snapshot_path(tmp_path).exists()
     os.close(store._lock_fd)  # what the kernel does for a killed process
     store._lock_fd = -1
-    _OPENED.remove(store)
+    untrack(store)
     again = opened(tmp_path)
     assert again.status()["scan_source"] == "disk"
     assert again.used_bytes == 7 * (HEADER_SIZE + 4096)

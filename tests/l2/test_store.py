@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from kvpersist.l2.format import HEADER_SIZE, build_header, parse_header, payload
 from kvpersist.l2.layout import QUARANTINE_DIR, FormatError, KeyFields, format_name, parse_name
 from kvpersist.l2.lock import take_root_lock
 from kvpersist.l2.store import KvFileStore, RootLockedError
+from kvpersist.testing.checked_stores import open_checked_store, track
 from kvpersist.testing.corruption import EXPECTED_REASON, corrupt_file
 
 NS_A = "kvp-" + "a" * 32
@@ -31,26 +31,8 @@ def payload(i: int, size: int = 8192) -> bytes:
     return bytes((i * 31 + j) % 251 for j in range(size))
 
 
-_OPENED: list[KvFileStore] = []
-
-
-def open_store(root: Path, capacity: int = 10**9, **kw: object) -> KvFileStore:
-    store = KvFileStore(root, capacity, **kw)  # type: ignore[arg-type]
-    store.open(background_scan=False)
-    _OPENED.append(store)
-    return store
-
-
-@pytest.fixture(autouse=True)
-def every_test_ends_on_a_consistent_store() -> Iterator[None]:
-    """Each test ends with ``KvFileStore.check()`` finding nothing on the last store it opened
-    on each root (python-diskcache's tests end on ``Cache.check()`` the same way)."""
-    _OPENED.clear()
-    yield
-    latest = {store.root: store for store in _OPENED}
-    for store in latest.values():
-        assert store.check(deep=True) == []
-        store.close()
+# Each test ends on ``KvFileStore.check()`` of the stores it opened (tests/l2/conftest.py).
+open_store = open_checked_store
 
 
 # ----------------------------------------------------------------------------- format
@@ -205,7 +187,7 @@ def test_stores_wait_for_the_scan_but_lookups_do_not(tmp_path: Path) -> None:
     store.put(key(1), payload(1))
     store.close()
     store2 = KvFileStore(tmp_path, 10**9)
-    _OPENED.append(store2)
+    track(store2)
     # open by hand without scanning, to observe the scanning state
     store2._lock_fd = take_root_lock(tmp_path)
     assert not store2.scan_done
@@ -294,7 +276,7 @@ def test_scan_takes_only_data_directories(tmp_path: Path, sharded: bool, with_c:
     assert store2.read_into(odd[0], buf) and bytes(buf) == payload(0, 512)
     assert store2.check() == [f"not a quarantined cache file: {root / QUARANTINE_DIR / elsewhere}"]
     (root / QUARANTINE_DIR / elsewhere).unlink()
-    _OPENED.append(store2)
+    track(store2)
 
 
 # ----------------------------------------------------------------------------- the oracle
@@ -359,7 +341,7 @@ def test_a_failed_scan_refuses_stores_until_a_scan_succeeds(
     monkeypatch.setattr(store_module, "SCAN_RETRY_S", 0.2)
     # room for exactly one more; the walk is what fails here, so no snapshot may stand in for it
     store = KvFileStore(tmp_path, on_disk + HEADER_SIZE + 8192, scan_snapshot=False)
-    _OPENED.append(store)
+    track(store)
     store.open(background_scan=True)
     deadline = time.monotonic() + 10
     while store.scan_error is None:

@@ -131,11 +131,12 @@ def write_snapshot(root: Path, sharded: bool, walk: Walk) -> int | None:
     try:
         with open(tmp, "wb", opener=_private_opener) as out:
             stamps = _unracy_stamps(root, sharded, out.fileno())
-            walked = None if stamps is None else walk()
-            if stamps is None or walked is None or walked.temp_files:
-                logger.info("kvpersist L2: no index snapshot of %s (%s); the next start walks "
-                            "the disk", root, "directories changed while it was taken"
-                            if stamps is None or walked is None else "a store was in flight")
+            if stamps is None:
+                _no_snapshot(root, "directories changed while it was taken")
+                return None
+            walked = walk()
+            if walked.temp_files:
+                _no_snapshot(root, "a store was in flight")
                 return None
             for part in _encode(walked, stamps, sharded):
                 out.write(part)
@@ -146,6 +147,11 @@ def write_snapshot(root: Path, sharded: bool, walk: Walk) -> int | None:
         if not written:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+
+def _no_snapshot(root: Path, why: str) -> None:
+    logger.info("kvpersist L2: no index snapshot of %s (%s); the next start walks the disk",
+                root, why)
 
 
 def remove_leftovers(root: Path) -> None:
