@@ -152,6 +152,32 @@ def test_keys_of_live_rows(tricky: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert inv.keys(live[:0]) == []
 
 
+def test_index_of_live_rows(tricky: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C index builder and the Python one give {parse_name key: size} in row order; a key
+    given twice keeps its last size; ranks shared between keys are equal ints (the C builder
+    reuses one object for a run of equal ranks)."""
+    inv = build_inventory(tricky)
+    live = inv.of_class(inventory.LIVE)
+    sizes = inv.size[live]
+    want = {parse_name(inv.name(int(r))[:-4] + ".kvp"): int(n) for r, n in zip(live, sizes, strict=True)}
+    built = inventory.index_of_columns(inv.names, inv.name_end, inv.model_idx, inv.model_names,
+                                       live, sizes, chunk=5)
+    assert list(built.items()) == list(want.items())
+    twice = inventory.index_of_columns(inv.names, inv.name_end, inv.model_idx, inv.model_names,
+                                       live[[0, 1, 0]], sizes[[0, 1, 2]])
+    assert list(twice.values()) == [int(sizes[2]), int(sizes[1])]
+    with pytest.raises(ValueError, match="sizes"):
+        inventory.index_of_columns(inv.names, inv.name_end, inv.model_idx, inv.model_names,
+                                   live, sizes[:1])
+    with pytest.raises(ValueError, match="not a live cache file"):
+        inventory.index_of_columns(inv.names, inv.name_end, inv.model_idx, inv.model_names,
+                                   inv.of_class(inventory.TEMP)[:1], sizes[:1])
+    monkeypatch.setattr(inventory, "_walk", None)
+    slow = inventory.index_of_columns(inv.names, inv.name_end, inv.model_idx, inv.model_names,
+                                      live, sizes)
+    assert list(slow.items()) == list(want.items())
+
+
 def test_walkers_report_the_same_errors() -> None:
     """An unreadable directory is one error line and the walk goes on (root reads everything, so
     under root the walk runs without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH, through setpriv)."""

@@ -61,7 +61,7 @@ def test_a_clean_restart_adopts_the_snapshot_with_the_same_count_and_order(
     assert not snapshot_path(tmp_path).exists()  # used at most once
     assert again.used_bytes == disk_bytes(tmp_path) == 6 * (HEADER_SIZE + 4096)
     order = again.index.ordered()[0]
-    assert order == walked.keys and order[-1] == key(0)  # a scan's LRU order (file mtimes)
+    assert order == list(walked.files) and order[-1] == key(0)  # a scan's LRU order (file mtimes)
     assert again.put(key(99), payload(99)) == "stored"
 
 

@@ -545,6 +545,12 @@ PyDoc_STRVAR(live_keys_doc,
 "``tuple.__new__`` makes a NamedTuple.  A row whose name is not a live cache-file name raises\n"
 "ValueError.  Call it on slices of a large row set: it holds the GIL while it runs.");
 
+PyDoc_STRVAR(live_index_doc,
+"live_index(into, names, name_end, model_idx, rows, sizes, model_names, key_type) -> None\n\n"
+"As ``live_keys``, but sets ``into[key] = size`` (``sizes`` int64, one per row, in bytes)\n"
+"in row order instead of returning a list: the index of a walk without an intermediate list\n"
+"(a key given twice keeps its last size).");
+
 /* Fill tuple slot `i` of `t` with `v`, which is a new reference or NULL (then -1). */
 static int set_slot(PyObject *t, Py_ssize_t i, PyObject *v) {
     if (v == NULL) return -1;
@@ -567,90 +573,160 @@ static PyObject *hex_long(const char *s, size_t n) {
     return v;
 }
 
+/* What one call shares between its keys: the columns, and the last rank made (a tree holds
+   few ranks, so most keys share one int object instead of allocating their own). */
+typedef struct {
+    Py_buffer names, ends, models, rows;
+    PyObject *model_names, *empty, *rank, *key_type;
+    char rank_hex[8];
+    unsigned char *hash;
+} KeyMaker;
+
+static void maker_release(KeyMaker *mk) {
+    free(mk->hash);
+    Py_XDECREF(mk->empty);
+    Py_XDECREF(mk->rank);
+    PyBuffer_Release(&mk->names);
+    PyBuffer_Release(&mk->ends);
+    PyBuffer_Release(&mk->models);
+    PyBuffer_Release(&mk->rows);
+}
+
+static int maker_check(KeyMaker *mk) {
+    if (!PyType_IsSubtype((PyTypeObject *)mk->key_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "key_type must be a tuple subclass (a NamedTuple)");
+        return -1;
+    }
+    mk->empty = PyUnicode_FromStringAndSize("", 0);
+    return mk->empty == NULL ? -1 : 0;
+}
+
+/* The key of row number `i` of `rows` (a new reference), or NULL with an exception set. */
+static PyObject *make_key(KeyMaker *mk, Py_ssize_t i) {
+    const int64_t *row = mk->rows.buf, *end = mk->ends.buf;
+    const int32_t *model = mk->models.buf;
+    const char *blob = mk->names.buf;
+    Py_ssize_t nnames = mk->ends.len / (Py_ssize_t)sizeof(int64_t);
+    int64_t r = row[i];
+    if (r < 0 || r >= nnames || (Py_ssize_t)(mk->models.len / sizeof(int32_t)) <= r) {
+        PyErr_SetString(PyExc_IndexError, "row out of range");
+        return NULL;
+    }
+    size_t start = r ? (size_t)end[r - 1] : 0;
+    const char *name = blob + start;
+    size_t len = (size_t)end[r] - start;
+    size_t model_len = len >= 4 ? live_model_len(name, len) : 0;
+    int32_t m = model[r];
+    if (model_len == 0 || m < 0 || m >= PyList_GET_SIZE(mk->model_names)) {
+        PyErr_Format(PyExc_ValueError, "row %lld is not a live cache file", (long long)r);
+        return NULL;
+    }
+    size_t stem = len - 4;
+    const char *at = memchr(name, '@', stem);
+    size_t head = at ? (size_t)(at - name) : stem;
+    size_t rank_at = model_len + 1, group_at = rank_at + 9;
+    const char *u3 = memchr(name + group_at, '_', head - group_at);
+    size_t group_len = (size_t)(u3 - (name + group_at));
+    size_t hash_at = (size_t)(u3 - name) + 1, hash_len = head - hash_at;
+    unsigned char *grown = realloc(mk->hash, hash_len / 2 + 1);
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    mk->hash = grown;
+    for (size_t k = 0; k < hash_len; k += 2)
+        mk->hash[k / 2] = (unsigned char)(hex_value(name[hash_at + k]) * 16 + hex_value(name[hash_at + k + 1]));
+    if (mk->rank == NULL || memcmp(mk->rank_hex, name + rank_at, 8) != 0) {
+        PyObject *rank = hex_long(name + rank_at, 8);
+        if (rank == NULL) return NULL;
+        Py_XSETREF(mk->rank, rank);
+        memcpy(mk->rank_hex, name + rank_at, 8);
+    }
+    PyTypeObject *key_type = (PyTypeObject *)mk->key_type;
+    PyObject *key = key_type->tp_alloc(key_type, 5);
+    if (key == NULL) return NULL;
+    PyObject *model_name = PyList_GET_ITEM(mk->model_names, m);
+    Py_INCREF(model_name);
+    PyTuple_SET_ITEM(key, 0, model_name);
+    Py_INCREF(mk->rank);
+    PyTuple_SET_ITEM(key, 1, mk->rank);
+    PyObject *salt = mk->empty;
+    if (at != NULL) {
+        salt = PyUnicode_DecodeFSDefaultAndSize(at + 1, (Py_ssize_t)(stem - head - 1));
+    } else {
+        Py_INCREF(mk->empty);
+    }
+    if (set_slot(key, 2, hex_long(name + group_at, group_len)) < 0 ||
+        set_slot(key, 3, PyBytes_FromStringAndSize((const char *)mk->hash, (Py_ssize_t)(hash_len / 2))) < 0 ||
+        set_slot(key, 4, salt) < 0) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    return key;
+}
+
 static PyObject *live_keys(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer names, ends, models, rows;
-    PyObject *model_names, *key_type_obj;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*O!O!:live_keys", &names, &ends, &models, &rows,
-                          &PyList_Type, &model_names, &PyType_Type, &key_type_obj))
+    KeyMaker mk = {0};
+    if (!PyArg_ParseTuple(args, "y*y*y*y*O!O!:live_keys", &mk.names, &mk.ends, &mk.models,
+                          &mk.rows, &PyList_Type, &mk.model_names, &PyType_Type, &mk.key_type))
         return NULL;
-    PyTypeObject *key_type = (PyTypeObject *)key_type_obj;
-    PyObject *out = NULL, *empty = PyUnicode_FromStringAndSize("", 0);
-    unsigned char *hash = NULL;
-    Py_ssize_t n = rows.len / (Py_ssize_t)sizeof(int64_t);
-    Py_ssize_t nnames = ends.len / (Py_ssize_t)sizeof(int64_t);
-    const int64_t *row = rows.buf, *end = ends.buf;
-    const int32_t *model = models.buf;
-    const char *blob = names.buf;
-    if (!PyType_IsSubtype(key_type, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "key_type must be a tuple subclass (a NamedTuple)");
-        goto fail;
-    }
-    if (empty == NULL || (out = PyList_New(n)) == NULL) goto fail;
+    PyObject *out = NULL;
+    Py_ssize_t n = mk.rows.len / (Py_ssize_t)sizeof(int64_t);
+    if (maker_check(&mk) < 0 || (out = PyList_New(n)) == NULL) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t r = row[i];
-        if (r < 0 || r >= nnames || (Py_ssize_t)(models.len / sizeof(int32_t)) <= r) {
-            PyErr_SetString(PyExc_IndexError, "row out of range");
-            goto fail;
-        }
-        size_t start = r ? (size_t)end[r - 1] : 0;
-        const char *name = blob + start;
-        size_t len = (size_t)end[r] - start;
-        size_t model_len = len >= 4 ? live_model_len(name, len) : 0;
-        int32_t m = model[r];
-        if (model_len == 0 || m < 0 || m >= PyList_GET_SIZE(model_names)) {
-            PyErr_Format(PyExc_ValueError, "row %lld is not a live cache file", (long long)r);
-            goto fail;
-        }
-        size_t stem = len - 4;
-        const char *at = memchr(name, '@', stem);
-        size_t head = at ? (size_t)(at - name) : stem;
-        size_t rank_at = model_len + 1, group_at = rank_at + 9;
-        const char *u3 = memchr(name + group_at, '_', head - group_at);
-        size_t group_len = (size_t)(u3 - (name + group_at));
-        size_t hash_at = (size_t)(u3 - name) + 1, hash_len = head - hash_at;
-        unsigned char *grown = realloc(hash, hash_len / 2 + 1);
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        hash = grown;
-        for (size_t k = 0; k < hash_len; k += 2)
-            hash[k / 2] = (unsigned char)(hex_value(name[hash_at + k]) * 16 + hex_value(name[hash_at + k + 1]));
-        PyObject *key = key_type->tp_alloc(key_type, 5);
+        PyObject *key = make_key(&mk, i);
         if (key == NULL) goto fail;
         PyList_SET_ITEM(out, i, key);
-        PyObject *model_name = PyList_GET_ITEM(model_names, m);
-        Py_INCREF(model_name);
-        PyTuple_SET_ITEM(key, 0, model_name);
-        PyObject *salt = empty;
-        if (at != NULL) {
-            salt = PyUnicode_DecodeFSDefaultAndSize(at + 1, (Py_ssize_t)(stem - head - 1));
-        } else {
-            Py_INCREF(empty);
-        }
-        if (set_slot(key, 1, hex_long(name + rank_at, 8)) < 0 ||
-            set_slot(key, 2, hex_long(name + group_at, group_len)) < 0 ||
-            set_slot(key, 3, PyBytes_FromStringAndSize((const char *)hash, (Py_ssize_t)(hash_len / 2))) < 0 ||
-            set_slot(key, 4, salt) < 0)
-            goto fail;
     }
     goto done;
 fail:
     Py_CLEAR(out);
 done:
-    free(hash);
-    Py_XDECREF(empty);
-    PyBuffer_Release(&names);
-    PyBuffer_Release(&ends);
-    PyBuffer_Release(&models);
-    PyBuffer_Release(&rows);
+    maker_release(&mk);
     return out;
+}
+
+static PyObject *live_index(PyObject *self, PyObject *args) {
+    (void)self;
+    KeyMaker mk = {0};
+    Py_buffer sizes = {0};
+    PyObject *into;
+    if (!PyArg_ParseTuple(args, "O!y*y*y*y*y*O!O!:live_index", &PyDict_Type, &into, &mk.names,
+                          &mk.ends, &mk.models, &mk.rows, &sizes, &PyList_Type, &mk.model_names,
+                          &PyType_Type, &mk.key_type))
+        return NULL;
+    PyObject *result = NULL, *value = NULL;
+    Py_ssize_t n = mk.rows.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *size = sizes.buf;
+    if (sizes.len != mk.rows.len) {
+        PyErr_SetString(PyExc_ValueError, "sizes and rows differ in length");
+        goto done;
+    }
+    if (maker_check(&mk) < 0) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = make_key(&mk, i);
+        if (key == NULL) goto done;
+        if (value == NULL || i == 0 || size[i] != size[i - 1]) {  /* sizes repeat: share */
+            Py_XSETREF(value, PyLong_FromLongLong(size[i]));
+        }
+        int failed = value == NULL || PyDict_SetItem(into, key, value) < 0;
+        Py_DECREF(key);
+        if (failed) goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    Py_XDECREF(value);
+    PyBuffer_Release(&sizes);
+    maker_release(&mk);
+    return result;
 }
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, scan_doc},
     {"live_keys", live_keys, METH_VARARGS, live_keys_doc},
+    {"live_index", live_index, METH_VARARGS, live_index_doc},
     {NULL, NULL, 0, NULL},
 };
 

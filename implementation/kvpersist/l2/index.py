@@ -132,6 +132,29 @@ class KeyIndex:
             self._on_added(list(fresh), list(fresh.values()))
         return len(fresh)
 
+    def adopt_scan(self, scanned: dict[KeyFields, int]) -> int:
+        """Make the start-up scan's ``scanned`` (built outside the lock, least recently used
+        first; taken over, not copied) the index in one step; returns how many entries it
+        added.  Entries added meanwhile (lookups that found a file on disk while the scan ran)
+        are kept and counted once, after the scanned ones.  Only while the index is incomplete:
+        the lock is held for the few entries added meanwhile, not for the scan's million."""
+        with self._lock:
+            if self._complete:
+                raise RuntimeError("the index is complete: a scan cannot be adopted")
+            early = self._sizes
+            for key in early.keys() & scanned.keys():
+                del scanned[key]
+            added = len(scanned)
+            announce = ((list(scanned), list(scanned.values()))
+                        if added and self._on_added is not _ignore else None)
+            self._used += sum(scanned.values())
+            scanned.update(early)
+            self._sizes = scanned
+            self._version += 1
+        if announce is not None:
+            self._on_added(*announce)
+        return added
+
     def touch(self, key: KeyFields) -> None:
         """``key`` was just read: it becomes the most recently used entry."""
         with self._lock:

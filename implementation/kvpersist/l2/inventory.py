@@ -240,6 +240,29 @@ def keys_of_columns(names: bytes | memoryview, name_end: IntArray, model_idx: np
     return out
 
 
+def index_of_columns(names: bytes | memoryview, name_end: IntArray,
+                     model_idx: npt.NDArray[np.int32], model_names: list[str], rows: IntArray,
+                     sizes: IntArray, *, chunk: int = 32768) -> dict[KeyFields, int]:
+    """``{key: size}`` of the live-file ``rows`` (``sizes`` one per row), in row order (a key
+    given twice keeps its last size): what :func:`keys_of_columns` makes, built straight into
+    the dict in C when the walker is built, with no list of keys in between."""
+    if _walk is None:
+        return dict(zip(keys_of_columns(names, name_end, model_idx, model_names, rows),
+                        np.asarray(sizes, np.int64).tolist(), strict=True))
+    rows = np.ascontiguousarray(rows, np.int64)
+    sizes = np.ascontiguousarray(sizes, np.int64)
+    if sizes.size != rows.size:
+        raise ValueError(f"{sizes.size} sizes for {rows.size} rows")
+    ends, models = np.ascontiguousarray(name_end, np.int64).tobytes(), \
+        np.ascontiguousarray(model_idx, np.int32).tobytes()
+    out: dict[KeyFields, int] = {}
+    with _gc_paused():
+        for start in range(0, rows.size, chunk):
+            _walk.live_index(out, names, ends, models, rows[start:start + chunk].tobytes(),
+                             sizes[start:start + chunk].tobytes(), model_names, KeyFields)
+    return out
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector (if it runs) for the block."""

@@ -21,14 +21,13 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from .inventory import LIVE, TEMP, UNPARSABLE, Inventory, build_inventory
+from .inventory import LIVE, TEMP, UNPARSABLE, Inventory, build_inventory, index_of_columns
 from .layout import SUFFIX, KeyFields, is_data_dir
 
 
 @dataclass
 class ScanResult:
-    keys: list[KeyFields]  # least recently used first
-    sizes: list[int]
+    files: dict[KeyFields, int]  # key -> accounted size, least recently used first
     temp_files: list[str]  # temp leftovers found in data directories
     temp_removed: int
     unparsable_names: int
@@ -78,5 +77,6 @@ def scan_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "a
     walk = walk_root(root, sharded=sharded, remove_temps=remove_temps, walker=walker,
                      walk_threads=walk_threads)
     inv = walk.inventory
-    return ScanResult(inv.keys(walk.live), inv.size[walk.live].tolist(), walk.temp_files,
-                      walk.temp_removed, walk.unparsable_names)
+    files = index_of_columns(inv.names, inv.name_end, inv.model_idx, inv.model_names, walk.live,
+                             inv.size[walk.live])
+    return ScanResult(files, walk.temp_files, walk.temp_removed, walk.unparsable_names)

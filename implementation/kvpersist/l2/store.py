@@ -59,7 +59,7 @@ from .files import (
 )
 from .format import HEADER_SIZE
 from .index import KeyIndex, KeysCallback, Reservation
-from .inventory import InventoryError, keys_of_columns
+from .inventory import InventoryError, index_of_columns
 from .layout import (
     QUARANTINE_DIR,
     STATE_DIR,
@@ -228,7 +228,7 @@ class KvFileStore:
         try:
             adopted = self._adopt_snapshot()
             if adopted is not None:
-                keys, sizes, unparsable = adopted
+                files, unparsable = adopted
                 self.stats.add(unparsable_names=unparsable)
                 self._scan_source = "snapshot"
             else:
@@ -237,13 +237,10 @@ class KvFileStore:
                                   walk_threads=self.walk_threads)
                 self.stats.add(temp_removed=found.temp_removed,
                                unparsable_names=found.unparsable_names)
-                keys, sizes = found.keys, found.sizes
+                files = found.files
                 self._scan_source = "disk"
-            batch = 32768  # lookups wait on the index's lock for one batch at most
-            for start in range(0, len(keys), batch):
-                self.index.add(zip(keys[start:start + batch], sizes[start:start + batch],
-                                   strict=True))
-            self._scanned_files = len(keys)
+            self._scanned_files = len(files)
+            self.index.adopt_scan(files)  # one step; lookups meanwhile stat the disk
         except Exception as exc:  # keep serving lookups; refuse stores; report the failure
             self._scan_failures += 1
             self._scan_error = f"{type(exc).__name__}: {exc}"
@@ -263,8 +260,8 @@ class KvFileStore:
                     self._scan_seconds)
         return True
 
-    def _adopt_snapshot(self) -> tuple[list[KeyFields], list[int], int] | None:
-        """The keys, sizes and unparsable-name count of the snapshot a clean close left, if the
+    def _adopt_snapshot(self) -> tuple[dict[KeyFields, int], int] | None:
+        """The files (key → size) and unparsable-name count of the snapshot a clean close left, if the
         tree is provably unchanged since (see :mod:`kvpersist.l2.snapshot`); else None, and the
         disk is walked.  The snapshot is removed either way: it is used at most once."""
         if not self.scan_snapshot:
@@ -277,8 +274,8 @@ class KvFileStore:
             why = (f"it was written with sharded={snap.sharded}" if snap.sharded != self.sharded
                    else unchanged(self.root, snap.stamps))
             if why is None:
-                keys = keys_of_columns(snap.names, snap.name_end, snap.model_idx,
-                                       snap.model_names, snap.rows)
+                files = index_of_columns(snap.names, snap.name_end, snap.model_idx,
+                                         snap.model_names, snap.rows, snap.sizes)
                 why = unchanged(self.root, snap.stamps)  # nothing changed meanwhile
         except (OSError, ValueError, KeyError, TypeError) as exc:
             why = f"{type(exc).__name__}: {exc}"
@@ -286,7 +283,7 @@ class KvFileStore:
             logger.info("kvpersist L2: the index snapshot of %s is not used (%s); walking the "
                         "disk", self.root, why)
             return None
-        return keys, snap.sizes.tolist(), snap.unparsable_names
+        return files, snap.unparsable_names
 
     @property
     def scan_error(self) -> str | None:
@@ -566,7 +563,7 @@ class KvFileStore:
         if not self.index.complete:
             return ["the start-up scan has not finished"]
         on_disk = scan_root(self.root, sharded=self.sharded, remove_temps=False)
-        disk = dict(zip(on_disk.keys, on_disk.sizes, strict=True))
+        disk = on_disk.files
         indexed = self.index.snapshot()
         files, used, reserved = self.index.totals()
         for key in sorted(indexed.keys() - disk.keys(), key=repr):
