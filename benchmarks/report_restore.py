@@ -78,7 +78,11 @@ def main() -> int:
             fio = sorted(r["fio_read_gb_s"] for r in rows if r.get("fio_read_gb_s"))
             if fio:
                 bars["fio (median)"] = fio[len(fio) // 2]
-            groups[label(result)] = bars
+            name, run = label(result), 1
+            while name in groups:  # two runs on the same device keep their own bars
+                run += 1
+                name = f"{label(result)}, run {run}"
+            groups[name] = bars
         bar_plot(args.plot, "L2->L1 after a restart, page cache dropped (GB/s; higher is better)",
                  "GB/s", groups, size=(1300, 600))
     return 0
