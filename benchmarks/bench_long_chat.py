@@ -79,13 +79,16 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
     max_len = int(args.tokens * 1.1) + 2048  # long_conversation overshoots its target a little
     pins = pins_for_model(model, work / "pins.env", max_model_len=max_len)
     env = server_env(work / "cache", KVP_L1_SIZE_GB=f"{l1_gb:g}",
-                     KVP_CACHE_BUDGET_GB=str(int(kv_gib * 2) + 2))
+                     KVP_CACHE_BUDGET_GB=str(int(kv_gib * 2) + 2),
+                     **({} if args.l2_direct_io is None
+                        else {"KVP_L2_DIRECT_IO": args.l2_direct_io}))
     settings = load_settings(env)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(int(max_len * geometry.kv_bytes_per_token / 2**30) + 1)
     if mode is not None:
         env["KVP_MP_TRANSFER_MODE"] = mode
     messages = long_conversation(args.tokens, "a very long chat")
     result: dict[str, object] = {"geometry": args.geometry, "transfer_mode": mode or "default",
+                                 "l2_direct_io": settings.l2_direct_io,
                                  "kv_bytes_per_token": geometry.kv_bytes_per_token}
     shm_before = shm_segments()
     vllm = VllmProcess(model, pins, work / "vllm-1.log", env, max_model_len=max_len)
@@ -133,6 +136,8 @@ def main() -> int:
     parser.add_argument("--work", help="work directory (default: a temp dir)")
     parser.add_argument("--l1-gb", type=float, help="the server's L1 (GiB); below the "
                         "prompt's KV the restore streams through it; default: the prompt's KV + 1")
+    parser.add_argument("--l2-direct-io", choices=("true", "false"),
+                        help="KVP_L2_DIRECT_IO for the server (default: the product's default)")
     parser.add_argument("--transfer-modes", default="",
                         help="comma-separated LMCache transfer modes to run one after another "
                         "(engine_driven, lmcache_driven); default: the launcher's choice")
