@@ -650,15 +650,18 @@ static PyObject *make_key(KeyMaker *mk, Py_ssize_t i) {
     PyTuple_SET_ITEM(key, 0, model_name);
     Py_INCREF(mk->rank);
     PyTuple_SET_ITEM(key, 1, mk->rank);
+    if (set_slot(key, 2, hex_long(name + group_at, group_len)) < 0 ||
+        set_slot(key, 3, PyBytes_FromStringAndSize((const char *)mk->hash, (Py_ssize_t)(hash_len / 2))) < 0) {
+        Py_DECREF(key);  /* a tuple's unset slots are NULL, which its dealloc skips */
+        return NULL;
+    }
     PyObject *salt = mk->empty;
     if (at != NULL) {
         salt = PyUnicode_DecodeFSDefaultAndSize(at + 1, (Py_ssize_t)(stem - head - 1));
     } else {
-        Py_INCREF(mk->empty);
+        Py_INCREF(salt);
     }
-    if (set_slot(key, 2, hex_long(name + group_at, group_len)) < 0 ||
-        set_slot(key, 3, PyBytes_FromStringAndSize((const char *)mk->hash, (Py_ssize_t)(hash_len / 2))) < 0 ||
-        set_slot(key, 4, salt) < 0) {
+    if (set_slot(key, 4, salt) < 0) {
         Py_DECREF(key);
         return NULL;
     }

@@ -136,8 +136,10 @@ class KeyIndex:
         """Make the start-up scan's ``scanned`` (built outside the lock, least recently used
         first; taken over, not copied) the index in one step; returns how many entries it
         added.  Entries added meanwhile (lookups that found a file on disk while the scan ran)
-        are kept and counted once, after the scanned ones.  Only while the index is incomplete:
-        the lock is held for the few entries added meanwhile, not for the scan's million."""
+        are kept and counted once, after the scanned ones.  Only while the index is incomplete.
+        Under the lock no Python code runs per scanned entry: one pass per entry added
+        meanwhile, and C-speed passes over the dict (its byte sum, the announcement's lists when
+        someone listens)."""
         with self._lock:
             if self._complete:
                 raise RuntimeError("the index is complete: a scan cannot be adopted")
