@@ -11,7 +11,7 @@ blocks; an existing tree under ``--root`` is reused), then in one run times
 - the start after that clean stop, which adopts the snapshot.
 
     .venv/bin/python benchmarks/bench_l2_scan.py [--files 1000000] [--root DIR] [--sharded]
-        [--keep] [--python-walker] [--through-adapter] [--json OUT]
+        [--keep] [--python-walker] [--through-adapter] [--rounds 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -79,11 +79,21 @@ def timed_scan(root: Path, files: int, sharded: bool, *, snapshot: bool
     return scan_s, lookup_lat, hits, store
 
 
-def timed_adapter_start(root: Path) -> float:
-    """Seconds from constructing kvpersist's LMCache adapter on ``root`` (after a clean stop of
-    a store there, so a snapshot is adopted) until its index is complete: the store's scan plus
-    the announcement of every key to LMCache's byte accounting, which is what a real server
-    waits for before stores resume."""
+def timed_find(root: Path, files: int) -> float:
+    began = time.monotonic()
+    found = subprocess.run(f"find {root} -type f | wc -l", shell=True, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    seconds = time.monotonic() - began
+    if int(found) < files:
+        raise SystemExit(f"find counted {found} files, fewer than {files}")
+    return seconds
+
+
+def timed_adapter_start(root: Path) -> tuple[float, float]:
+    """(seconds until stores resume, seconds until LMCache has heard of every key) from
+    constructing kvpersist's LMCache adapter on ``root`` (after a clean stop of a store there,
+    so a snapshot is adopted).  Stores resume when the store's index is complete; LMCache's
+    byte accounting and LRU catch up afterwards on the adapter's announcement thread."""
     from kvpersist.l2.adapter import KvPersistL2Adapter, KvPersistL2AdapterConfig
 
     store = KvFileStore(root, 10**15)
@@ -94,12 +104,19 @@ def timed_adapter_start(root: Path) -> float:
     adapter = KvPersistL2Adapter(config)
     while not adapter.store.scan_done:
         time.sleep(0.001)
-    seconds = time.monotonic() - began
+    resumed = time.monotonic() - began
+    if not adapter.wait_announced(600):
+        raise SystemExit("LMCache was not told of every key within 600 s")
+    announced = time.monotonic() - began
+    usage = adapter.get_usage().total_bytes_used
     source = adapter.store.status()["scan_source"]
+    used = adapter.store.used_bytes
     adapter.close()
     if source != "snapshot":
         raise SystemExit(f"the adapter's start did not adopt the snapshot ({source})")
-    return seconds
+    if usage != used:
+        raise SystemExit(f"LMCache's usage {usage} is not the index's {used} bytes")
+    return resumed, announced
 
 
 def report(label: str, seconds: float, find_s: float, lookup_lat: list[float], hits: int) -> None:
@@ -119,7 +136,11 @@ def main() -> int:
                         help="also time the pure-Python walker (slow)")
     parser.add_argument("--through-adapter", action="store_true",
                         help="also time a start after a clean stop through kvpersist's LMCache "
-                        "adapter (the store's scan plus announcing every key to LMCache)")
+                        "adapter: until stores resume, and until LMCache has been told of every "
+                        "key (its byte accounting and LRU, caught up in the background)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of find and the start after a clean stop, side by side; "
+                        "medians reported (default 3)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     root = Path(args.root or tempfile.mkdtemp(prefix="kvp-scan-"))
@@ -132,12 +153,9 @@ def main() -> int:
         else:
             print(f"generating {args.files} sparse files in {root} (sharded={args.sharded})")
             generate(root, args.files, args.sharded)
-        began = time.monotonic()
-        found = subprocess.run(f"find {root} -type f | wc -l", shell=True, check=True,
-                               capture_output=True, text=True).stdout.strip()
-        find_s = time.monotonic() - began
+        find_s = timed_find(root, args.files)
         figures["find_s"] = find_s
-        print(f"find -type f | wc -l : {found} files in {find_s:.2f}s")
+        print(f"find -type f | wc -l : {args.files} files in {find_s:.2f}s")
         walkers = [("C walker", c_walker)] + ([("Python walker", None)]
                                               if args.python_walker else [])
         for label, walker in walkers:
@@ -153,17 +171,37 @@ def main() -> int:
         close_s = time.monotonic() - began
         figures["clean_stop_s"] = close_s
         report("clean stop (walk + write the snapshot)", close_s, find_s, [], 0)
-        scan_s, lat, hits, store = timed_scan(root, args.files, args.sharded, snapshot=True)
-        source = store.status()["scan_source"]
-        store.close()
-        if source != "snapshot":
-            raise SystemExit(f"the start after a clean stop did not adopt the snapshot ({source})")
-        figures["start_after_clean_stop_s"] = scan_s
-        report("start after a clean stop (snapshot)", scan_s, find_s, lat, hits)
+        # Rounds: find, then the start after a clean stop, side by side (this machine's timings
+        # vary by a third from one run to the next; the ratio of medians is what is reported).
+        rounds: dict[str, list[float]] = {"find_s": [], "start_after_clean_stop_s": [],
+                                          "adapter_start_after_clean_stop_s": [],
+                                          "adapter_announced_after_clean_stop_s": []}
+        for _ in range(args.rounds):
+            rounds["find_s"].append(timed_find(root, args.files))
+            scan_s, lat, hits, store = timed_scan(root, args.files, args.sharded, snapshot=True)
+            source = store.status()["scan_source"]
+            store.close()  # leaves the snapshot the next start adopts
+            if source != "snapshot":
+                raise SystemExit("the start after a clean stop did not adopt the snapshot "
+                                 f"({source})")
+            rounds["start_after_clean_stop_s"].append(scan_s)
+            if args.through_adapter:
+                resumed_s, announced_s = timed_adapter_start(root)
+                rounds["adapter_start_after_clean_stop_s"].append(resumed_s)
+                rounds["adapter_announced_after_clean_stop_s"].append(announced_s)
+        rounds = {k: v for k, v in rounds.items() if v}
+        figures["rounds"] = rounds
+        med = {k: statistics.median(v) for k, v in rounds.items()}
+        figures.update(med)
+        find_s = med["find_s"]
+        print(f"median of {args.rounds} rounds: find {find_s:.2f}s")
+        report("start after a clean stop (snapshot)", med["start_after_clean_stop_s"], find_s,
+               [], 0)
         if args.through_adapter:
-            scan_s = timed_adapter_start(root)
-            figures["adapter_start_after_clean_stop_s"] = scan_s
-            report("the same through the LMCache adapter", scan_s, find_s, [], 0)
+            report("the same through the LMCache adapter",
+                   med["adapter_start_after_clean_stop_s"], find_s, [], 0)
+            report("  ... until LMCache heard of every key",
+                   med["adapter_announced_after_clean_stop_s"], find_s, [], 0)
     finally:
         inventory._walk = c_walker
         if not args.keep:

@@ -161,3 +161,72 @@ def test_the_walker_is_a_strict_adapter_field() -> None:
         KvPersistL2AdapterConfig.from_dict({"path": "/x", "max_capacity_gb": 1,
                                             "walk_threads": -2})
     assert "walker (str)" in KvPersistL2AdapterConfig.help()
+
+
+class Recorder:
+    """An LMCache L2 listener that records what it is told, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, list[Any]]] = []
+
+    def on_l2_keys_stored(self, keys: list[Any], sizes: list[int]) -> None:
+        self.events.append(("stored", list(keys)))
+
+    def on_l2_keys_accessed(self, keys: list[Any]) -> None:
+        self.events.append(("accessed", list(keys)))
+
+    def on_l2_keys_deleted(self, keys: list[Any]) -> None:
+        self.events.append(("deleted", list(keys)))
+
+
+def test_stores_resume_before_lmcache_is_told_of_every_scanned_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart re-announces every file to LMCache (seconds for a million keys): stores resume
+    as soon as the index is complete, LMCache hears of everything afterwards, in order (the
+    scanned files oldest access first, then the new store, then a read), and its usage then
+    equals the index's bytes."""
+    old = [key_of(i) for i in range(20)]
+    seed = KvFileStore(tmp_path, 1 << 30)
+    seed.open(background_scan=False)
+    for i, k in enumerate(old):
+        assert seed.put(k, payload(i)) == "stored"
+        time.sleep(0.002)  # distinct access times: the scan's order is the order written
+    seed.close()
+
+    release = threading.Event()
+    real = KvPersistL2Adapter._notify_keys_stored
+    held: list[int] = []
+
+    def hold_the_first(self: Any, keys: list[Any], sizes: list[int]) -> None:
+        held.append(len(keys))
+        if len(held) == 1:  # the scan's announcement: LMCache is slow to take it
+            assert release.wait(30)
+        real(self, keys, sizes)
+
+    monkeypatch.setattr(KvPersistL2Adapter, "_notify_keys_stored", hold_the_first)
+    a = KvPersistL2Adapter(KvPersistL2AdapterConfig(str(tmp_path), 1.0))
+    recorder = Recorder()
+    a.register_listener(recorder)
+    try:
+        assert a.store.wait_scan(10), "stores wait for LMCache to hear of the scanned files"
+        assert held == [len(old)] and a.get_usage().total_bytes_used == 0
+        assert a.report_status()["announcements_pending"] >= 1
+        new = key_of(100)
+        tid = a.submit_store_task([to_object_key(new)], [Chunk(bytearray(payload(100)))])
+        written = wait_for(a.get_store_event_fd(),
+                           lambda t: a.pop_completed_store_tasks().get(t), tid)
+        assert written == CHUNK and new in a.store.index  # stored while LMCache lagged
+        chunk = Chunk(bytearray(CHUNK))
+        tid = a.submit_load_task([to_object_key(old[0])], [chunk])
+        assert wait_for(a.get_load_event_fd(), a.query_load_result, tid).test(0)
+
+        release.set()
+        assert a.wait_announced(10)
+        assert a.get_usage().total_bytes_used == a.store.used_bytes > 0
+        assert a.report_status()["announcements_pending"] == 0
+        assert recorder.events == [("stored", [to_object_key(k) for k in old]),
+                                   ("stored", [to_object_key(new)]),
+                                   ("accessed", [to_object_key(old[0])])]
+    finally:
+        release.set()
+        a.close()

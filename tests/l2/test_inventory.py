@@ -3,6 +3,7 @@ a straightforward per-file reference planner (the one kvp-admin used before it h
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -163,6 +164,12 @@ def test_index_of_live_rows(tricky: Path, monkeypatch: pytest.MonkeyPatch) -> No
     built = inventory.index_of_columns(inv.names, inv.name_end, inv.model_idx, inv.model_names,
                                        live, sizes, chunk=5)
     assert list(built.items()) == list(want.items())
+    if inventory._walk is not None:  # C keys hold only atomic values: never traversed by gc
+        assert built and not any(gc.is_tracked(k) for k in built)
+        listed = inventory.keys_of_columns(inv.names, inv.name_end, inv.model_idx,
+                                           inv.model_names, live)
+        assert dict.fromkeys(listed) == dict.fromkeys(want)
+        assert not any(gc.is_tracked(k) for k in listed)
     twice = inventory.index_of_columns(inv.names, inv.name_end, inv.model_idx, inv.model_names,
                                        live[[0, 1, 0]], sizes[[0, 1, 2]])
     assert list(twice.values()) == [int(sizes[2]), int(sizes[1])]

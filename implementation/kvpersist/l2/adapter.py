@@ -17,8 +17,12 @@ Invariants (the store's, see :mod:`kvpersist.l2.store`, plus):
   of one file is a miss of that key only.
 * A lookup sets a key's bit only if the file is indexed (or present on disk during the scan).
 * LMCache's byte accounting (``_notify_keys_stored``/``_notify_keys_deleted``) receives exactly
-  the index changes of the store, so ``get_usage()`` equals the on-disk bytes of the index,
-  after a restart too (the scan re-announces every file, oldest access first, for LRU order).
+  the index changes of the store, and its LRU bookkeeping every verified read
+  (``_notify_keys_accessed``), all in the order they happened, on one thread
+  (:mod:`kvpersist.l2.announcer`): once that thread is idle, ``get_usage()`` equals the
+  on-disk bytes of the index, after a restart too (the scan re-announces every file, oldest
+  access first, for LRU order).  Stores never wait for it: they resume as soon as the index
+  is complete, and the index alone enforces the cap while LMCache's view catches up.
 * Every submitted task completes and signals its event fd, even if an I/O call raises.
 """
 
@@ -42,6 +46,7 @@ from ..config import values
 from ..config.admin import WALKERS
 from ..config.values import SettingsError
 from . import metrics
+from .announcer import Announcer
 from .layout import KeyFields
 from .store import KvFileStore
 
@@ -172,6 +177,13 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def __init__(self, config: KvPersistL2AdapterConfig, l1_memory_desc: Any = None) -> None:
         super().__init__(max_capacity_bytes=int(config.max_capacity_gb * _GB))
         self._config = config
+        self._announcer = Announcer({
+            "stored": lambda keys, sizes: self._notify_keys_stored(
+                [to_object_key(k) for k in keys], sizes),
+            "deleted": lambda keys, sizes: self._notify_keys_deleted(
+                [to_object_key(k) for k in keys], sizes),
+            "accessed": lambda keys, _: self._notify_keys_accessed(keys),
+        })
         self._store = KvFileStore(
             config.path, int(config.max_capacity_gb * _GB), sharded=config.sharded,
             fsync=config.fsync, quarantine_max_files=config.quarantine_max_files,
@@ -196,12 +208,17 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         logger.info("kvpersist L2 adapter on %s: capacity %.3f GiB, sharded=%s",
                     config.path, config.max_capacity_gb, config.sharded)
 
-    # -- accounting bridge
+    # -- accounting bridge (see module invariants)
     def _announce_added(self, keys: list[KeyFields], sizes: list[int]) -> None:
-        self._notify_keys_stored([to_object_key(k) for k in keys], sizes)
+        self._announcer.announce("stored", keys, sizes)
 
     def _announce_removed(self, keys: list[KeyFields], sizes: list[int]) -> None:
-        self._notify_keys_deleted([to_object_key(k) for k in keys], sizes)
+        self._announcer.announce("deleted", keys, sizes)
+
+    def wait_announced(self, timeout: float | None = None) -> bool:
+        """Wait until LMCache has been told of every index change and read so far; False on
+        timeout."""
+        return self._announcer.wait_idle(timeout)
 
     # -- event fds
     def get_store_event_fd(self) -> int:
@@ -312,7 +329,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         except Exception:
             logger.exception("kvpersist L2 load task %d failed", tid)
         if loaded:
-            self._notify_keys_accessed(loaded)
+            self._announcer.announce("accessed", loaded)
         with self._lock:
             self._done_load[tid] = bitmap
         self._load_efd.notify()
@@ -348,6 +365,8 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         if scan_error is not None:  # stores are refused until a scan succeeds
             status["unhealthy_reason"] = (f"the start-up scan failed ({scan_error}); stores are "
                                           "refused and the scan is tried again")
+        # index changes and reads LMCache has not been told of yet (a restart's scan: seconds)
+        status["announcements_pending"] = self._announcer.pending
         status.update({"is_healthy": scan_error is None, "type": "KvPersistL2Adapter",
                        "kvpersist_version": __version__, "kvpersist_module": __file__})
         return status
@@ -361,6 +380,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._files.shutdown(wait=True, cancel_futures=False)
         self._store.close()
+        self._announcer.close(timeout=60)
         self._store_efd.close()
         self._lookup_efd.close()
         self._load_efd.close()
