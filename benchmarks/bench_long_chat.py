@@ -12,6 +12,9 @@ tests/e2e/test_long_conversation_e2e.py (34k tokens, 34 MiB of KV).
         # 131k tokens at 16 KiB/token (2 GiB of KV) through an L1 of 0.5 GiB: the restore
         # streams through L1 (kvpersist.serving.lmcache_compat.l1_streaming); also a cold raw read of the
         # same files, with the page cache dropped, for comparison
+    .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 127500 --l1-gb 0.5 \
+        --l2-direct-io true --also-restore-with-direct-io false --also-restore-with-direct-io true
+        # the same, restored with O_DIRECT, buffered and O_DIRECT again on one stored chat
 
 The restore is judged bit-identical (tokens and logprobs) and complete (every full chunk from
 L2, ``cached_tokens``).  vLLM's own KV space is sized for the prompt, separately from L1.
@@ -121,6 +124,34 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
             identical=(warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs),
             l2_load_seconds=status["load_seconds"], l2_loaded_bytes=status["loaded_bytes"])
         vllm.stop()  # a graceful stop, as an operator's would be
+        restores = [{"l2_direct_io": settings.l2_direct_io, "restored_s": result["restored_s"],
+                     "identical": result["identical"], "cached_tokens": warm.cached_tokens,
+                     "l2_load_seconds": status["load_seconds"]}]
+        for direct in args.also_restore_with_direct_io:
+            # The same stored chat, restored again with the server restarted under the other
+            # read path (both processes restarted, the page cache dropped), side by side.
+            stop_server(settings)
+            settings = load_settings({**env, "KVP_L2_DIRECT_IO": direct})
+            start_server(settings)
+            vllm = VllmProcess(model, pins, work / f"vllm-direct-{direct}.log",
+                               {**env, "KVP_L2_DIRECT_IO": direct}, max_model_len=max_len)
+            vllm.start(timeout=1800)
+            drop_caches()
+            again = chat(vllm.base_url, messages, timeout=7200)
+            status = adapter_status(settings)
+            restores.append({
+                "l2_direct_io": settings.l2_direct_io, "restored_s": round(again.seconds, 2),
+                "identical": (again.tokens, again.logprobs) == (cold.tokens, cold.logprobs),
+                "cached_tokens": again.cached_tokens, "l2_load_seconds": status["load_seconds"]})
+            vllm.stop()
+        result["restores"] = restores
+        if len(restores) > 1:
+            print(f"\n{'L2 O_DIRECT':<12} {'restored s':>11} {'L2 load s':>10} {'cached':>8} "
+                  f"{'identical':>9}")
+            for r in restores:
+                print(f"{r['l2_direct_io']!s:<12} {r['restored_s']:>11} "
+                      f"{r['l2_load_seconds']:>10.2f} {r['cached_tokens']!s:>8} "
+                      f"{r['identical']!s:>9}")
     finally:
         vllm.kill()
         stop_server(settings)
@@ -138,6 +169,11 @@ def main() -> int:
                         "prompt's KV the restore streams through it; default: the prompt's KV + 1")
     parser.add_argument("--l2-direct-io", choices=("true", "false"),
                         help="KVP_L2_DIRECT_IO for the server (default: the product's default)")
+    parser.add_argument("--also-restore-with-direct-io", choices=("true", "false"),
+                        action="append", default=[], metavar="{true,false}",
+                        help="after the restore, restore the same chat again with the server "
+                        "restarted under this KVP_L2_DIRECT_IO (repeatable): the read paths "
+                        "side by side on one stored chat, without another cold prefill")
     parser.add_argument("--transfer-modes", default="",
                         help="comma-separated LMCache transfer modes to run one after another "
                         "(engine_driven, lmcache_driven); default: the launcher's choice")
@@ -159,6 +195,8 @@ def main() -> int:
     # Restored means vLLM used it: the hits were loaded (cached_tokens), not recomputed after a
     # failed retrieve (which vLLM still counts as external hits).
     ok = all(r.get("identical") and r.get("cached_tokens") == r.get("full_chunk_tokens")
+             and all(x["identical"] and x["cached_tokens"] == r.get("full_chunk_tokens")
+                     for x in r.get("restores", []))  # type: ignore[attr-defined]
              for r in results)
     return 0 if ok else 1
 

@@ -230,3 +230,39 @@ def test_stores_resume_before_lmcache_is_told_of_every_scanned_file(
     finally:
         release.set()
         a.close()
+
+
+def test_an_eviction_returns_once_lmcache_heard_of_it(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMCache's eviction checks its usage again a second after deleting: ``delete`` returns
+    only when the deletions (and the restart's announcement queued before them) are
+    delivered, so that check never counts the evicted bytes and evicts again."""
+    keys = [key_of(i) for i in range(4)]
+    seed = KvFileStore(tmp_path, 1 << 30)
+    seed.open(background_scan=False)
+    for i, k in enumerate(keys):
+        assert seed.put(k, payload(i)) == "stored"
+    seed.close()
+    release = threading.Event()
+    real = KvPersistL2Adapter._notify_keys_stored
+
+    def slow_lmcache(self: Any, keys: list[Any], sizes: list[int]) -> None:
+        assert release.wait(30)
+        real(self, keys, sizes)
+
+    monkeypatch.setattr(KvPersistL2Adapter, "_notify_keys_stored", slow_lmcache)
+    a = KvPersistL2Adapter(KvPersistL2AdapterConfig(str(tmp_path), 1.0))
+    try:
+        assert a.store.wait_scan(10)
+        evicting = threading.Thread(target=a.delete, args=([to_object_key(keys[0])],))
+        evicting.start()
+        evicting.join(0.5)
+        assert evicting.is_alive(), "the eviction returned before LMCache heard of it"
+        assert keys[0] not in a.store.index  # the file itself is gone already
+        release.set()
+        evicting.join(10)
+        assert not evicting.is_alive()
+        assert a.get_usage().total_bytes_used == a.store.used_bytes == 3 * a.store.index.snapshot()[keys[1]]
+    finally:
+        release.set()
+        a.close()

@@ -22,7 +22,9 @@ Invariants (the store's, see :mod:`kvpersist.l2.store`, plus):
   (:mod:`kvpersist.l2.announcer`): once that thread is idle, ``get_usage()`` equals the
   on-disk bytes of the index, after a restart too (the scan re-announces every file, oldest
   access first, for LRU order).  Stores never wait for it: they resume as soon as the index
-  is complete, and the index alone enforces the cap while LMCache's view catches up.
+  is complete, and the index alone enforces the cap while LMCache's view catches up.  Only
+  LMCache's own eviction waits: :meth:`KvPersistL2Adapter.delete` returns once its deletions
+  are delivered, so the next usage check never evicts the same bytes twice.
 * Every submitted task completes and signals its event fd, even if an I/O call raises.
 """
 
@@ -56,6 +58,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpersist.l2")
 _GB = 1024**3
+#: How long LMCache's eviction waits, at most, for its deletions to reach its own accounting
+#: (seconds: a million-key restart announcement takes about 5).
+DELETE_ANNOUNCED_WAIT_S = 60.0
 _T = TypeVar("_T")
 
 
@@ -340,8 +345,14 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     # -- eviction, listing, status
     def delete(self, keys: list[ObjectKey]) -> None:
+        """LMCache's eviction: returns once LMCache has heard of these deletions (and of
+        everything before them), so that its next usage check does not count the evicted bytes
+        again and evict more than it meant to while a restart's announcement catches up."""
         for key in keys:
             self._store.delete(to_fields(key))
+        if not self._announcer.wait_idle(timeout=DELETE_ANNOUNCED_WAIT_S):
+            logger.warning("kvpersist L2: LMCache not yet told of %d deletions after %.0f s",
+                           len(keys), DELETE_ANNOUNCED_WAIT_S)
 
     def list_l2_keys(self, model_name: str | None = None, page_size: int = 500,
                      cursor: str | None = None) -> KeyListPage:
