@@ -86,6 +86,7 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
                      **({} if args.l2_direct_io is None
                         else {"KVP_L2_DIRECT_IO": args.l2_direct_io}))
     settings = load_settings(env)
+    server_vars = dict(env)  # the server's settings alone (load_settings refuses others)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(int(max_len * geometry.kv_bytes_per_token / 2**30) + 1)
     if mode is not None:
         env["KVP_MP_TRANSFER_MODE"] = mode
@@ -131,7 +132,7 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
             # The same stored chat, restored again with the server restarted under the other
             # read path (both processes restarted, the page cache dropped), side by side.
             stop_server(settings)
-            settings = load_settings({**env, "KVP_L2_DIRECT_IO": direct})
+            settings = load_settings({**server_vars, "KVP_L2_DIRECT_IO": direct})
             start_server(settings)
             vllm = VllmProcess(model, pins, work / f"vllm-direct-{direct}.log",
                                {**env, "KVP_L2_DIRECT_IO": direct}, max_model_len=max_len)

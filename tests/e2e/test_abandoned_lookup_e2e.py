@@ -26,7 +26,6 @@ import pytest
 
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
-from kvpersist.demo.tiny_model import WIDE_KV, build_tiny_model
 from kvpersist.serving import http
 from kvpersist.serving.lmcache_compat import fault_injection
 from kvpersist.serving.server import start_server, stop_server
@@ -62,9 +61,9 @@ def server_counter(settings: ServerSettings, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, wide_kv_model: Path) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("abandoned")
-    model = build_tiny_model(tmp / "models", WIDE_KV)
+    model = wide_kv_model
     pins = pins_for_model(model, tmp / "wide.env", max_model_len=MAX_LEN)
     env = server_env(tmp / "cache", KVP_L1_SIZE_GB="0.07", KVP_RESTORE_WINDOW_GB="0.035")
     settings = load_settings(env)

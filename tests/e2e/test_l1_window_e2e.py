@@ -23,7 +23,6 @@ import pytest
 
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
-from kvpersist.demo.tiny_model import WIDE_KV, build_tiny_model
 from kvpersist.serving import http
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.helpers import (
@@ -71,11 +70,11 @@ def server_counter(settings: ServerSettings, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, wide_kv_model: Path) -> Iterator[Stack]:
     if os.geteuid() != 0:
         pytest.skip("dropping the page cache needs root")
     tmp = tmp_path_factory.mktemp("l1-window")
-    model = build_tiny_model(tmp / "models", WIDE_KV)
+    model = wide_kv_model
     pins = pins_for_model(model, tmp / "wide.env", max_model_len=MAX_LEN)
     env = server_env(tmp / "cache", KVP_L1_SIZE_GB=L1_GB)
     settings = load_settings(env)

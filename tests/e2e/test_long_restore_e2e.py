@@ -14,7 +14,7 @@ import pytest
 
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
-from kvpersist.demo.tiny_model import WIDE_KV, build_tiny_model
+from kvpersist.demo.tiny_model import WIDE_KV
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing import slow_disk
 from kvpersist.testing.helpers import clear_l1, pins_for_model, server_env, wait_for_l2_files
@@ -30,8 +30,9 @@ REQUEST_TIMEOUT = 600.0
 HITS = "vllm:external_prefix_cache_hits_total"
 
 
-def test_a_progressing_restore_is_waited_for_a_stalled_one_is_not(tmp_path: Path) -> None:
-    model = build_tiny_model(tmp_path / "models", WIDE_KV)
+def test_a_progressing_restore_is_waited_for_a_stalled_one_is_not(tmp_path: Path,
+                                                                 wide_kv_model: Path) -> None:
+    model = wide_kv_model
     pins = pins_for_model(model, tmp_path / "wide.env")
     messages = long_conversation(1850)
     with slow_disk.slow_disk(tmp_path, size_mb=512, read_bytes_per_s=RATE) as disk:
