@@ -16,7 +16,7 @@ import pytest
 from kvpersist.l2.files import DIRECT_ALIGN, is_aligned
 from kvpersist.l2.layout import KeyFields
 from kvpersist.l2.store import KvFileStore
-from kvpersist.testing.corruption import corrupt_file
+from kvpersist.testing.corruption import EXPECTED_REASON, corrupt_file
 
 NS = "kvp-" + "d" * 32
 #: the page cache's disk here: /tmp is on the VM's block device (ext4), which takes O_DIRECT
@@ -66,15 +66,27 @@ def test_direct_reads_give_the_verified_bytes(disk_root: Path, size: int, make: 
         store.close()
 
 
-def test_a_corrupt_file_is_caught_on_the_direct_path(disk_root: Path) -> None:
+@pytest.mark.parametrize("size", [2 * DIRECT_ALIGN * 64 + 77, 3 * (1 << 20) + 77])
+@pytest.mark.parametrize("how", ["flip", "noise", "half", "last-byte"])
+def test_a_corrupt_file_is_caught_on_the_direct_path(disk_root: Path, size: int,
+                                                      how: str) -> None:
+    """Below one verify segment, and above it (the aligned payload read in one request, the
+    unaligned tail through the bounce buffer): damage at the start, all over, a truncation, and
+    in the tail's last byte are each a verified miss with their reason."""
     store = KvFileStore(disk_root, 10**9, direct_io=True)
     store.open(background_scan=False)
     try:
-        size = 2 * DIRECT_ALIGN * 64 + 77
         assert store.put(key(2), payload(2, size)) == "stored"
-        corrupt_file(store.path_for(key(2)), "flip")
+        path = store.path_for(key(2))
+        if how == "last-byte":
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 0x01
+            path.write_bytes(bytes(raw))
+        else:
+            corrupt_file(path, how)
         assert not store.read_into(key(2), aligned_buffer(size))
-        assert store.status()["verify_failures"] == 1 and store.direct_io
+        reason = "payload-checksum" if how == "last-byte" else EXPECTED_REASON[how]
+        assert store.status()["verify_failures_by_reason"] == {reason: 1} and store.direct_io
         assert store.check() == []
     finally:
         store.close()
