@@ -29,9 +29,10 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kvpersist.config.server import load_settings
-from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
+from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.demo.tiny_model import LONG_CONTEXT, WIDE_KV, Geometry, build_tiny_model
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.helpers import (
@@ -106,12 +107,25 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
         wait_for_l2_files(settings.cache_root, chunks, timeout=1800)
         vllm.stop()
         stop_server(settings)
-        start_server(settings)
-        vllm = VllmProcess(model, pins, work / "vllm-2.log", env, max_model_len=max_len)
-        vllm.start(timeout=1800)
-        drop_caches()
-        warm = chat(vllm.base_url, messages, timeout=7200)
-        status = adapter_status(settings)
+
+        def restore(vllm_env: dict[str, str], log: str) -> tuple[VllmProcess, ChatResult,
+                                                                  dict[str, Any]]:
+            """Start the (stopped) server under the current ``settings`` and a new vLLM, drop
+            the page cache, restore the chat: (the vLLM, its answer, the adapter's status)."""
+            start_server(settings)
+            started = VllmProcess(model, pins, work / log, vllm_env, max_model_len=max_len)
+            started.start(timeout=1800)
+            drop_caches()
+            answer = chat(started.base_url, messages, timeout=7200)
+            return started, answer, adapter_status(settings)
+
+        def record(answer: ChatResult, status: dict[str, Any]) -> dict[str, object]:
+            return {"l2_direct_io": settings.l2_direct_io, "restored_s": round(answer.seconds, 2),
+                    "identical": (answer.tokens, answer.logprobs) == (cold.tokens, cold.logprobs),
+                    "cached_tokens": answer.cached_tokens,
+                    "l2_load_seconds": status["load_seconds"]}
+
+        vllm, warm, status = restore(env, "vllm-2.log")
         raw_s, raw_bytes = raw_cold_read(sorted(
             p for p in settings.cache_root.iterdir() if p.suffix in (".kvp", ".bin")))
         result.update(
@@ -125,25 +139,15 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
             identical=(warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs),
             l2_load_seconds=status["load_seconds"], l2_loaded_bytes=status["loaded_bytes"])
         vllm.stop()  # a graceful stop, as an operator's would be
-        restores = [{"l2_direct_io": settings.l2_direct_io, "restored_s": result["restored_s"],
-                     "identical": result["identical"], "cached_tokens": warm.cached_tokens,
-                     "l2_load_seconds": status["load_seconds"]}]
+        restores = [record(warm, status)]
         for direct in args.also_restore_with_direct_io:
             # The same stored chat, restored again with the server restarted under the other
             # read path (both processes restarted, the page cache dropped), side by side.
             stop_server(settings)
             settings = load_settings({**server_vars, "KVP_L2_DIRECT_IO": direct})
-            start_server(settings)
-            vllm = VllmProcess(model, pins, work / f"vllm-direct-{direct}.log",
-                               {**env, "KVP_L2_DIRECT_IO": direct}, max_model_len=max_len)
-            vllm.start(timeout=1800)
-            drop_caches()
-            again = chat(vllm.base_url, messages, timeout=7200)
-            status = adapter_status(settings)
-            restores.append({
-                "l2_direct_io": settings.l2_direct_io, "restored_s": round(again.seconds, 2),
-                "identical": (again.tokens, again.logprobs) == (cold.tokens, cold.logprobs),
-                "cached_tokens": again.cached_tokens, "l2_load_seconds": status["load_seconds"]})
+            vllm, again, status = restore({**env, "KVP_L2_DIRECT_IO": direct},
+                                          f"vllm-direct-{direct}.log")
+            restores.append(record(again, status))
             vllm.stop()
         result["restores"] = restores
         if len(restores) > 1:
