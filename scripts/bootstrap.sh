@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or refresh) the project's virtual environment from the pinned lock, and build the C
-# inventory walker (kvpersist.l2._walk) in place. Idempotent: stamps holding the digests of what each
-# step depends on skip the work when nothing changed.
+# extensions (kvpersist.l2._walk, kvpersist.l2._readloop) in place. Idempotent: stamps holding the
+# digests of what each step depends on skip the work when nothing changed.
 #   KVP_VENV   where the environment goes (default: <repo>/.venv)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,29 +12,29 @@ stamp="$venv/.kvp-lock-digest"
 # (its console scripts included).
 want="$( { cat "$lock" "$0"; sed -n '/^\[project\]/,/^\[tool/p' "$here/pyproject.toml"; } | sha256sum | cut -c1-64)"
 
-build_walker() {
-  # The C walker, built in place next to its source (the package is installed editable).
-  # Optional by design (setup.py): without a compiler the Python walker is used instead.
-  local src="$here/implementation/kvpersist/l2/_walk.c" walk_stamp="$venv/.kvp-walk-digest" log
-  local walk_want
-  walk_want="$(cat "$here/setup.py" "$src" | sha256sum | cut -c1-64)"
-  if [[ -f "$walk_stamp" && "$(cat "$walk_stamp")" == "$walk_want" ]] \
-     && compgen -G "$here/implementation/kvpersist/l2/_walk*.so" >/dev/null; then
+build_extensions() {
+  # The C extensions (the inventory walker, the read loop), built in place next to their sources
+  # (the package is installed editable).  Optional by design (setup.py): without a compiler the
+  # Python walker and the Python read loop are used instead.
+  local l2="$here/implementation/kvpersist/l2" ext_stamp="$venv/.kvp-ext-digest" log ext_want
+  ext_want="$(cat "$here/setup.py" "$l2/_walk.c" "$l2/_readloop.c" | sha256sum | cut -c1-64)"
+  if [[ -f "$ext_stamp" && "$(cat "$ext_stamp")" == "$ext_want" ]] \
+     && compgen -G "$l2/_walk*.so" >/dev/null && compgen -G "$l2/_readloop*.so" >/dev/null; then
     return 0
   fi
   log="$(mktemp)"
   if (cd "$here" && "$venv/bin/python" setup.py -q build_ext --inplace) >"$log" 2>&1 \
-     && "$venv/bin/python" -c "import kvpersist.l2._walk" 2>>"$log"; then
-    echo "$walk_want" > "$walk_stamp"
+     && "$venv/bin/python" -c "import kvpersist.l2._walk, kvpersist.l2._readloop" 2>>"$log"; then
+    echo "$ext_want" > "$ext_stamp"
   else
-    echo "bootstrap: the C walker did not build; kvp-admin falls back to the Python walker:" >&2
+    echo "bootstrap: the C extensions did not build; the Python walker and read loop are used:" >&2
     cat "$log" >&2
   fi
   rm -f "$log"
 }
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
-  build_walker
+  build_extensions
   exit 0
 fi
 echo "bootstrap: installing the pinned environment into $venv (first time: a few minutes)" >&2
@@ -49,6 +49,6 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "$venv/bin/python" -c "import vllm, lmcache, kvpersist.connector" 2>/dev/null \
   || { echo "bootstrap: the environment does not import vllm/lmcache/kvpersist" >&2; exit 1; }
 echo "$want" > "$stamp"
-rm -f "$venv/.kvp-walk-digest"
-build_walker
+rm -f "$venv/.kvp-ext-digest"
+build_extensions
 echo "bootstrap: ready" >&2

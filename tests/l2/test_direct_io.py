@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.l2.files import DIRECT_ALIGN, is_aligned
 from kvpersist.l2.layout import KeyFields
+from kvpersist.l2.read_loop import PAGE as DIRECT_ALIGN
+from kvpersist.l2.read_loop import is_page_aligned as is_aligned
 from kvpersist.l2.store import KvFileStore
 from kvpersist.testing.corruption import EXPECTED_REASON, corrupt_file
 

@@ -58,12 +58,15 @@ def run(venv: Path, cwd: Path, *argv: str, env: dict[str, str] | None = None
 def test_the_wheel_runs_without_the_checkout(wheel_venv: Path, tmp_path: Path) -> None:
     probe = run(wheel_venv, tmp_path, "python", "-c",
                 "import json, sys, kvpersist, kvpersist.l2.inventory as inv, kvpersist.connector;"
-                "print(json.dumps([kvpersist.__file__, sys.path, inv._walk is not None]))")
+                "import kvpersist.l2.read_loop as rc;"
+                "print(json.dumps([kvpersist.__file__, sys.path, inv._walk is not None,"
+                " rc.has_c_loop()]))")
     assert probe.returncode == 0, probe.stderr
-    where, path, has_c_walker = json.loads(probe.stdout)
+    where, path, has_c_walker, has_c_loop = json.loads(probe.stdout)
     assert where.startswith(str(wheel_venv)), where
     assert not any(p.startswith(str(REPO)) for p in path if "site-packages" not in p), path
     assert has_c_walker, "the wheel lacks the C walker"
+    assert has_c_loop, "the wheel lacks the C read loop"
     help_text = run(wheel_venv, tmp_path, "kvp-admin", "--help")
     assert help_text.returncode == 0 and "cleanup" in help_text.stdout
     for command in ("kvp-server", "kvp-vllm"):

@@ -24,20 +24,16 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..atomic import write_atomic
-from .format import HEADER_SIZE, build_header, check_header, parse_header, payload_digest, payload_hasher
+from .format import HEADER_SIZE, build_header, check_header, parse_header, payload_digest
 from .layout import QUARANTINE_DIR, FormatError, KeyFields, parse_name
+from .read_loop import ReadCounter, read_counted, read_hashed
 
 #: Bytes hashed right after each read, while they are still in the CPU cache.
 VERIFY_SEGMENT = 1 << 20
-#: Alignment of O_DIRECT offsets, lengths and buffers (a page covers every logical block size).
-DIRECT_ALIGN = 4096
 _bounce = threading.local()
 #: errno values that mean "the device is full": a rejected store, never an error.
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -53,17 +49,18 @@ def publish(path: Path, key: KeyFields, payload: memoryview, layout: dict[str, A
 
 
 def read_verified(fd: int, key: KeyFields, out: memoryview,
-                  on_read: Callable[[int], None] | None = None, *, direct: bool = False) -> float:
+                  progress: ReadCounter | None = None, *, direct: bool = False) -> float:
     """Fill ``out`` from the open file ``fd`` if, and only if, it is exactly ``key``'s object.
 
-    The kernel is asked to read the whole payload ahead (``POSIX_FADV_WILLNEED``), so the device
-    has the file's reads in flight while earlier segments are hashed.  ``on_read(n)`` is called
-    after each segment (progress).  Returns the seconds spent on the payload digest.  Raises
-    FormatError (reason tag) otherwise.
+    The payload is read in segments of :data:`VERIFY_SEGMENT`, each added to ``progress`` as it
+    arrives and hashed right after its read (:func:`~kvpersist.l2.read_loop.read_hashed`: one
+    GIL release for the whole payload where the C loop is built).  Buffered reads ask the
+    kernel to read the whole payload ahead (``POSIX_FADV_WILLNEED``).  Returns the seconds spent
+    on the payload digest.  Raises FormatError (reason tag) otherwise.
     """
-    if direct:
-        bounce = _bounce_buffer()
-        raw = bytes(bounce[:read_into(fd, bounce[:HEADER_SIZE], 0)])
+    bounce = _bounce_buffer() if direct else None
+    if bounce is not None:
+        raw = bytes(bounce[:read_counted(fd, bounce[:HEADER_SIZE], 0, HEADER_SIZE)])
     else:
         raw = os.pread(fd, HEADER_SIZE, 0)
     header = parse_header(raw)
@@ -71,26 +68,12 @@ def read_verified(fd: int, key: KeyFields, out: memoryview,
     file_size = os.fstat(fd).st_size
     if file_size != HEADER_SIZE + out.nbytes:
         raise FormatError("size-mismatch", f"{file_size} bytes on disk")
-    if out.nbytes > VERIFY_SEGMENT and not direct:
+    if bounce is None and out.nbytes > VERIFY_SEGMENT:
         os.posix_fadvise(fd, HEADER_SIZE, out.nbytes, os.POSIX_FADV_WILLNEED)
-    hasher = payload_hasher()
-    spent = 0.0
-    done = 0
-    while done < out.nbytes:
-        segment = out[done:done + VERIFY_SEGMENT]
-        if direct:
-            got = _read_direct(fd, segment, HEADER_SIZE + done)
-        else:
-            got = read_into(fd, segment, HEADER_SIZE + done)
-        began = time.perf_counter()
-        hasher.update(segment[:got])
-        spent += time.perf_counter() - began
-        done += got
-        if on_read is not None:
-            on_read(got)
-        if got < segment.nbytes:
-            raise FormatError("truncated", f"{done} of {out.nbytes} bytes")
-    if hasher.digest() != header.checksum:
+    got, digest, spent = read_hashed(fd, out, HEADER_SIZE, VERIFY_SEGMENT, progress, bounce)
+    if got < out.nbytes:
+        raise FormatError("truncated", f"{got} of {out.nbytes} bytes")
+    if digest != header.checksum:
         raise FormatError("payload-checksum")
     return spent
 
@@ -144,36 +127,3 @@ def _bounce_buffer() -> memoryview:
         _bounce.map = mmap.mmap(-1, VERIFY_SEGMENT)
         view = _bounce.view = memoryview(_bounce.map)
     return view
-
-
-def is_aligned(view: memoryview) -> bool:
-    """Whether ``view`` starts on a page boundary (O_DIRECT can read into it)."""
-    return view.nbytes > 0 and int(np.frombuffer(view, np.uint8).ctypes.data) % DIRECT_ALIGN == 0
-
-
-def _read_direct(fd: int, segment: memoryview, offset: int) -> int:
-    """Read ``segment`` (at most one verify segment) at the page-aligned ``offset`` of an
-    O_DIRECT fd: the aligned whole pages straight into it, the rest through the bounce buffer;
-    returns how many bytes (short only at EOF)."""
-    n = segment.nbytes
-    head = n - n % DIRECT_ALIGN if is_aligned(segment) else 0
-    got = read_into(fd, segment[:head], offset) if head else 0
-    if got < head or head == n:
-        return got
-    rest = n - head
-    bounce = _bounce_buffer()
-    tail = read_into(fd, bounce[:-(-rest // DIRECT_ALIGN) * DIRECT_ALIGN], offset + head)
-    tail = min(tail, rest)
-    segment[head:head + tail] = bounce[:tail]
-    return got + tail
-
-
-def read_into(fd: int, out: memoryview, offset: int) -> int:
-    """Read up to ``out.nbytes`` bytes at ``offset``; returns how many (short only at EOF)."""
-    total = 0
-    while total < out.nbytes:
-        n = os.preadv(fd, [out[total:]], offset + total)
-        if n <= 0:
-            break
-        total += n
-    return total

@@ -37,11 +37,6 @@ def payload_digest(data: Any) -> bytes:
     return bytes(xxhash.xxh3_128_digest(data))
 
 
-def payload_hasher() -> Any:
-    """A streaming hasher whose ``digest()`` equals :func:`payload_digest` of the whole."""
-    return xxhash.xxh3_128()
-
-
 def build_header(key: KeyFields, payload_len: int, digest: bytes,
                  layout: dict[str, Any] | None = None, created: float | None = None) -> bytes:
     meta = {

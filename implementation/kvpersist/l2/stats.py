@@ -2,7 +2,9 @@
 
 Invariant: every update goes through :meth:`StoreStats.add` or :meth:`StoreStats.failed`, under
 the counters' own lock, so concurrent I/O threads never lose a count; :meth:`as_dict` is a
-consistent copy.
+consistent copy.  The one exception is ``read_progress`` (``read_bytes``), added to by the reading
+threads segment by segment without that lock (:mod:`kvpersist.l2.read_loop`); it is a
+progress signal, read as it stands.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from .read_loop import ReadCounter
 
 
 @dataclass
@@ -30,7 +34,6 @@ class StoreStats:
     load_hits: int = 0
     load_misses: int = 0
     loaded_bytes: int = 0  # verified payload bytes handed to LMCache
-    read_bytes: int = 0  # payload bytes read so far, failed reads included (load progress)
     load_seconds: float = 0.0
     verify_seconds: float = 0.0
     foreign_hits: int = 0  # shared tree: verified loads from another node's part
@@ -40,6 +43,8 @@ class StoreStats:
     temp_removed: int = 0
     unparsable_names: int = 0
     verify_failures: Counter[str] = field(default_factory=Counter)
+    #: payload bytes read so far, failed reads included (load progress; ``read_bytes``)
+    read_progress: ReadCounter = field(default_factory=ReadCounter, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:
@@ -56,7 +61,8 @@ class StoreStats:
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
             out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                   if not f.name.startswith("_")}
+                   if not f.name.startswith("_") and f.name != "read_progress"}
+        out["read_bytes"] = self.read_progress.value
         failures: Counter[str] = out.pop("verify_failures")
         out["rejected"] = out["rejected_capacity"] + out["rejected_scanning"] \
             + out["rejected_disk_full"]

@@ -455,7 +455,7 @@ class KvFileStore:
             self._refuse_direct(path, exc)
             return self._read_file(path, key, out)
         try:
-            verify_seconds = read_verified(fd, key, out, self._count_read, direct=direct)
+            verify_seconds = read_verified(fd, key, out, self.stats.read_progress, direct=direct)
         except OSError as exc:
             if not (direct and exc.errno == errno.EINVAL):
                 return _FileRead(error=exc)
@@ -478,9 +478,6 @@ class KvFileStore:
             logger.warning("kvpersist L2: O_DIRECT reads refused under %s (%s: %s); reading "
                            "through the page cache from now on", self.root, path.name,
                            exc.strerror)
-
-    def _count_read(self, nbytes: int) -> None:
-        self.stats.add(read_bytes=nbytes)
 
     def _quarantine(self, path: Path, key: KeyFields, reason: str, detail: str) -> None:
         self.stats.failed(reason)
