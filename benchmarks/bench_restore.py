@@ -360,8 +360,19 @@ def summarize(rows: list[dict[str, Any]], adapters: list[str]) -> list[dict[str,
             # the same LOOKUP again, from the page cache: the software path without the device
             "warm_l2_to_l1_s": med(warm) if (warm := [r["warm_l2_to_l1_s"] for r in mine
                                                       if r.get("warm_l2_to_l1_s")]) else None,
+            "kvpersist_paired": paired_speedup(rows, adapter),
         })
     return out
+
+
+def paired_speedup(rows: list[dict[str, Any]], peer: str) -> float | None:
+    """Median over rounds of ``peer``'s L2->L1 time / kvpersist's in the same round (>= 1:
+    kvpersist at least as fast).  Pairs within a round share the machine's state of the moment,
+    so this ratio is steadier than the ratio of two medians on a noisy machine."""
+    ours = {r.get("round"): r["l2_to_l1_s"] for r in rows if r["adapter"] == "kvpersist"}
+    ratios = [r["l2_to_l1_s"] / ours[r.get("round")] for r in rows
+              if r["adapter"] == peer and r.get("round") in ours]
+    return float(statistics.median(ratios)) if ratios and peer != "kvpersist" else None
 
 
 def main() -> int:
@@ -405,8 +416,9 @@ def main() -> int:
             base = disk.mount
         for n in range(args.rounds):
             for adapter in adapters if n % 2 == 0 else adapters[::-1]:
-                row = one_round(adapter, base / adapter, args.tokens, args.kv_per_token,
-                                args.l1_gb, args.transfer_mode, disk)
+                row = {"round": n, **one_round(adapter, base / adapter, args.tokens,
+                                               args.kv_per_token, args.l1_gb,
+                                               args.transfer_mode, disk)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     gb = args.tokens // 256 * 256 * args.kv_per_token / 1e9
@@ -431,6 +443,11 @@ def main() -> int:
           "acknowledgement to the last file (the store against a raw write of the same bytes is "
           "bench_read_path.py's); warm: the same LOOKUP again, which reloads from L2 through the page "
           "cache)")
+    for row in summary:
+        if row["kvpersist_paired"] is not None:
+            print(f"kvpersist against {row['adapter']}, L2->L1 paired by round: "
+                  f"{row['kvpersist_paired']:.2f}x (median of {row['adapter']}'s time / "
+                  "kvpersist's in the same round)")
     by_name = {row["adapter"]: row for row in summary}
     for verified in ("kvpersist", "kvpersist-buffered"):
         if verified in by_name and f"{verified}-noverify" in by_name:

@@ -17,7 +17,7 @@ build_extensions() {
   # (the package is installed editable).  Optional by design (setup.py): without a compiler the
   # Python walker and the Python read loop are used instead.
   local l2="$here/implementation/kvpersist/l2" ext_stamp="$venv/.kvp-ext-digest" log ext_want
-  ext_want="$(cat "$here/setup.py" "$l2/_walk.c" "$l2/_readloop.c" | sha256sum | cut -c1-64)"
+  ext_want="$(cat "$here/setup.py" "$l2/_walk.c" "$l2/_readloop.c" "$l2"/_vendor/xxhash/* | sha256sum | cut -c1-64)"
   if [[ -f "$ext_stamp" && "$(cat "$ext_stamp")" == "$ext_want" ]] \
      && compgen -G "$l2/_walk*.so" >/dev/null && compgen -G "$l2/_readloop*.so" >/dev/null; then
     return 0

@@ -38,12 +38,21 @@
 #define XXH_INLINE_ALL
 #include "_vendor/xxhash/xxhash.h"
 
+#if defined(__x86_64__)
+/* xxHash's runtime dispatch (_vendor/xxhash/xxh_x86dispatch.c, built beside this file on x86-64):
+ * the AVX2 or AVX-512 kernel where the CPU has it, SSE2 otherwise (the same digest on all). */
+XXH_errorcode XXH3_128bits_update_dispatch(XXH3_state_t *state, const void *input, size_t len);
+#define hash_update XXH3_128bits_update_dispatch
+#else
+#define hash_update XXH3_128bits_update
+#endif
+
 #define PAGE 4096
 
 static void hash_piece(XXH3_state_t *state, const char *p, Py_ssize_t n, double *hash_s) {
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
-    XXH3_128bits_update(state, p, (size_t)n);
+    hash_update(state, p, (size_t)n);
     clock_gettime(CLOCK_MONOTONIC, &b);
     *hash_s += (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) * 1e-9;
 }
