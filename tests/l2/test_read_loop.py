@@ -180,6 +180,36 @@ def test_concurrent_loops_never_lose_a_count(data_file: tuple[int, bytes], name:
     assert counter.value == rounds * threads * len(data)
 
 
+def read_syscalls() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("syscr:"):
+            return int(line.split()[1])
+    raise AssertionError("no syscr in /proc/self/io")
+
+
+@needs_c
+def test_the_c_loop_grows_its_segments_while_reads_are_fast(tmp_path: Path) -> None:
+    # page-cache reads of 64 KiB take microseconds: the loop doubles up to 8x 64 KiB, so the
+    # 64 MiB take far fewer than the 1024 reads of fixed segments (the Python loop's count)
+    size, segment = 64 << 20, 64 << 10
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(size))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = memoryview(bytearray(size))
+        before = read_syscalls()
+        assert read_counted(fd, out, 0, segment, ReadCounter()) == size
+        c_reads = read_syscalls() - before
+        before = read_syscalls()
+        assert python_read_counted(fd, out, 0, segment, ReadCounter()) == size
+        python_reads = read_syscalls() - before
+    finally:
+        os.close(fd)
+    assert python_reads >= size // segment
+    assert c_reads < size // segment // 4, (c_reads, python_reads)
+    assert bytes(out) == path.read_bytes()
+
+
 @needs_c
 def test_the_c_loop_counts_each_segment_while_the_read_goes_on(tmp_path: Path) -> None:
     # The GIL is released for the whole range, so another thread sees the count between the

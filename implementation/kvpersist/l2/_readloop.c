@@ -13,8 +13,9 @@
  *
  * Invariants:
  *   - read_counted(fd, out, offset, segment, cell) fills `out` from `offset` until it is full or
- *     the file ends, at most `segment` bytes per pread; it returns the bytes read (short only at
- *     end of file) and raises OSError for any other failure.
+ *     the file ends, `segment` bytes per pread to begin with, up to 8x that while each read
+ *     takes under 20 ms (see read_loop); it returns the bytes read (short only at end of file)
+ *     and raises OSError for any other failure.
  *   - After each successful pread its byte count is added to the int64 at the start of `cell`
  *     with one atomic add, so any thread may read the cell at any time and concurrent loops
  *     never lose a count.  Bytes read before a failure are counted too (progress, not success).
@@ -57,23 +58,43 @@ static void hash_piece(XXH3_state_t *state, const char *p, Py_ssize_t n, double 
     *hash_s += (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) * 1e-9;
 }
 
-/* One pread loop over [dst, dst+want) at `offset`, at most `segment` per call, counting each
- * call; hashes each piece into `state` when it is not NULL.  Returns bytes read or -errno. */
+/* Segments grow while reads are fast: a fast device gets fewer, larger requests (a VM disk or
+ * an NVMe drive pays per request), a slow one keeps the caller's segment, so a restore's
+ * progress is never counted less often than with fixed segments on a device that is slow from
+ * the start.  GROW_BELOW_NS: a read this quick doubles the next; SHRINK_ABOVE_NS: a read this
+ * slow halves it (never below the caller's segment); MAX_GROWTH: at most this many times it. */
+#define GROW_BELOW_NS 20000000LL
+#define SHRINK_ABOVE_NS 100000000LL
+#define MAX_GROWTH 8
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* One pread loop over [dst, dst+want) at `offset`, starting at `segment` bytes per call and
+ * adapting as above, counting each call; hashes each piece into `state` when it is not NULL.
+ * Returns bytes read or -errno. */
 static Py_ssize_t read_loop(int fd, char *dst, Py_ssize_t want, long long offset,
                             Py_ssize_t segment, int64_t *counter, XXH3_state_t *state,
                             double *hash_s) {
-    Py_ssize_t done = 0;
+    Py_ssize_t done = 0, step = segment;
     while (done < want) {
-        Py_ssize_t n = want - done < segment ? want - done : segment;
+        Py_ssize_t n = want - done < step ? want - done : step;
+        long long began = now_ns();
         ssize_t got = pread(fd, dst + done, (size_t)n, (off_t)(offset + done));
         if (got < 0) {
             if (errno == EINTR) continue;
             return -errno;
         }
         if (got == 0) break;
+        long long took = now_ns() - began;
         __atomic_add_fetch(counter, (int64_t)got, __ATOMIC_RELAXED);
         if (state != NULL) hash_piece(state, dst + done, got, hash_s);
         done += got;
+        if (got == n && took < GROW_BELOW_NS && step < segment * MAX_GROWTH) step *= 2;
+        else if (took > SHRINK_ABOVE_NS && step > segment) step /= 2;
     }
     return done;
 }
