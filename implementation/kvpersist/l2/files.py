@@ -32,7 +32,7 @@ from .format import HEADER_SIZE, build_header, check_header, parse_header, paylo
 from .layout import QUARANTINE_DIR, FormatError, KeyFields, parse_name
 from .read_loop import ReadCounter, read_counted, read_hashed
 
-#: Bytes hashed right after each read, while they are still in the CPU cache.
+#: The smallest read of a payload: each one is hashed right after it and counted as progress.
 VERIFY_SEGMENT = 1 << 20
 _bounce = threading.local()
 #: errno values that mean "the device is full": a rejected store, never an error.
@@ -52,11 +52,12 @@ def read_verified(fd: int, key: KeyFields, out: memoryview,
                   progress: ReadCounter | None = None, *, direct: bool = False) -> float:
     """Fill ``out`` from the open file ``fd`` if, and only if, it is exactly ``key``'s object.
 
-    The payload is read in segments of :data:`VERIFY_SEGMENT`, each added to ``progress`` as it
-    arrives and hashed right after its read (:func:`~kvpersist.l2.read_loop.read_hashed`: one
-    GIL release for the whole payload where the C loop is built).  Buffered reads ask the
-    kernel to read the whole payload ahead (``POSIX_FADV_WILLNEED``).  Returns the seconds spent
-    on the payload digest.  Raises FormatError (reason tag) otherwise.
+    The payload is read in segments of at least :data:`VERIFY_SEGMENT` (the C loop grows them on
+    a fast device), each added to ``progress`` as it arrives and hashed right after its read
+    (:func:`~kvpersist.l2.read_loop.read_hashed`: one GIL release for the whole payload where
+    the C loop is built).  Buffered reads ask the kernel to read the whole payload ahead
+    (``POSIX_FADV_WILLNEED``).  Returns the seconds spent on the payload digest.  Raises
+    FormatError (reason tag) otherwise.
     """
     bounce = _bounce_buffer() if direct else None
     if bounce is not None:
