@@ -3,7 +3,7 @@
 - ``kvpersist.l2._walk``: the inventory walk; without it ``kvpersist.l2.inventory`` falls back to
   its pure-Python walker (same results, about 3x slower on a million files);
 - ``kvpersist.l2._readloop``: a file's payload read with the GIL released once; without it
-  ``kvpersist.l2.read_counter`` falls back to its Python loop (same results, one GIL round trip
+  ``kvpersist.l2.read_loop`` falls back to its Python loops (same results, one GIL round trip
   per segment).
 
 ``optional=True``: without a C compiler the package still installs.

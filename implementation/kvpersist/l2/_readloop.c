@@ -218,7 +218,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_readloop",
-    "File ranges read in segments with the GIL released, progress counted, XXH3-128 hashed.", -1, methods,
+    "File ranges read in segments with the GIL released, progress counted, XXH3-128 hashed.",
+    -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -15,9 +15,8 @@ Invariants
   next, up to 8x, each over 100 ms halves it, never below ``segment``: a fast device gets fewer,
   larger requests, a device slow from the start is counted as often as with fixed segments); it
   returns the bytes read (short only at end of file) and raises OSError for any other failure
-  (EINTR is retried).  After each ``pread`` its byte count
-  is added to the :class:`ReadCounter` before the next one starts; bytes read before a failure
-  count too (progress, not success).
+  (EINTR is retried).  After each ``pread`` its byte count is added to the :class:`ReadCounter`
+  before the next one starts; bytes read before a failure count too (progress, not success).
 * :func:`read_hashed` reads the same way and also returns the XXH3-128 digest of exactly the
   bytes it put in ``out`` (:func:`kvpersist.l2.format.payload_digest` of them) and the seconds
   spent hashing.  With a ``bounce`` buffer (an O_DIRECT fd) the whole pages of a page-aligned
@@ -79,7 +78,7 @@ def has_c_loop() -> bool:
 def read_counted(fd: int, out: memoryview, offset: int, segment: int,
                  counter: ReadCounter | None = None) -> int:
     """See the module invariants; without ``counter`` nothing is counted."""
-    counter = counter or ReadCounter()
+    counter = _UNCOUNTED if counter is None else counter
     if _readloop is not None:
         got: int = _readloop.read_counted(fd, out, offset, segment, counter.cell())
         return got
@@ -90,7 +89,7 @@ def read_hashed(fd: int, out: memoryview, offset: int, segment: int,
                 counter: ReadCounter | None = None, bounce: memoryview | None = None
                 ) -> tuple[int, bytes, float]:
     """(bytes read, digest, hashing seconds); see the module invariants."""
-    counter = counter or ReadCounter()
+    counter = _UNCOUNTED if counter is None else counter
     if _readloop is not None:
         got, digest, spent = _readloop.read_hashed(fd, out, offset, segment, counter.cell(),
                                                    bounce)
@@ -155,3 +154,6 @@ def is_page_aligned(view: memoryview) -> bool:
     """Whether ``view`` starts on a page boundary (O_DIRECT can read into it)."""
     return view.nbytes > 0 and int(np.frombuffer(view, np.uint8).ctypes.data) % PAGE == 0
 
+
+#: Where reads nobody counts go (a file's header): one shared cell, not one per read.
+_UNCOUNTED = ReadCounter()
