@@ -2,31 +2,36 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from kvpersist.admin.cli import main
+from kvpersist.demo.tiny_model import build_tiny_model
 from kvpersist.identity import load_pins
 from kvpersist.testing.helpers import TINY_PINS, write_pins
 
 REVISION = load_pins(TINY_PINS)["model_revision"]
 
 
-def tiny_folder(root: Path) -> Path:
-    """A config-only copy of the tiny model's folder (no weights needed for identity)."""
-    from kvpersist.demo.tiny_model import CHAT_TEMPLATE, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, MAX_POS
+@functools.cache
+def _built_tiny_model() -> Path:
+    return build_tiny_model(Path(tempfile.mkdtemp(prefix="kvp-tiny-")))
 
+
+def tiny_folder(root: Path) -> Path:
+    """A copy of the tiny model's folder without its weights (identity reads no weights)."""
+    built = _built_tiny_model()
     snap = root / "models--kvpersist--tiny-llama" / "snapshots" / REVISION
     snap.mkdir(parents=True)
-    (snap / "config.json").write_text(json.dumps({
-        "hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM, "num_hidden_layers": LAYERS, "max_position_embeddings": MAX_POS,
-        "torch_dtype": "float32"}))
-    (snap / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    for name in ("config.json", "tokenizer_config.json"):
+        shutil.copyfile(built / name, snap / name)
     return snap
 
 

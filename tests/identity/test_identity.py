@@ -41,6 +41,9 @@ BASE: dict[str, object] = {
     "build": "kvpersist-format=1;lmcache=0.5.6;vllm=0.32.0",
     "max_model_len": 32768,
     "chat_template_sha256": "a" * 64,
+    "model_dtype": "bfloat16",
+    "quantization": "none",
+    "model_config_sha256": "c" * 64,
 }
 
 #: A different valid value for every field.
@@ -60,6 +63,9 @@ CHANGED: dict[str, object] = {
     "build": "kvpersist-format=1;lmcache=0.5.7;vllm=0.32.0",
     "max_model_len": 32767,
     "chat_template_sha256": "b" * 64,
+    "model_dtype": "float16",
+    "quantization": "fp8",
+    "model_config_sha256": "d" * 64,
 }
 
 

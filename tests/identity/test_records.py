@@ -10,7 +10,7 @@ import pytest
 
 from kvpersist.admin.cli import main
 from kvpersist.config.client import ConnectorOptions
-from kvpersist.identity import CacheIdentity, IdentityError, load_pins
+from kvpersist.identity import FIELDS, CacheIdentity, IdentityError, load_pins
 from kvpersist.identity.records import RECORDS_DIR, list_records, read_record, write_record
 from kvpersist.serving.gate import record_identity
 from kvpersist.testing.helpers import TINY_PINS, free_port
@@ -90,15 +90,7 @@ def test_kvp_admin_reads_records(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert code == 0 and "tensor_parallel_size" in out and old.namespace in out
     # What is on disk against a configuration: the one field that keeps them apart.
     pins = tmp_path / "new.env"
-    pins.write_text("".join(f"KVP_{k}={v}\n" for k, v in [
-        ("MODEL_ID", new.model_id), ("MODEL_REVISION", new.model_revision),
-        ("TOKENIZER_ID", new.tokenizer_id), ("TOKENIZER_REVISION", new.tokenizer_revision),
-        ("KV_CACHE_DTYPE", new.kv_cache_dtype), ("BLOCK_SIZE", new.block_size),
-        ("NUM_KV_HEADS", new.num_kv_heads), ("HEAD_SIZE", new.head_size),
-        ("NUM_LAYERS", new.num_layers), ("TP_SIZE", new.tensor_parallel_size),
-        ("PP_SIZE", new.pipeline_parallel_size), ("CONNECTOR", new.connector),
-        ("BUILD", new.build), ("MAX_MODEL_LEN", new.max_model_len),
-        ("CHAT_TEMPLATE_SHA256", new.chat_template_sha256)]))
+    pins.write_text("".join(f"{spec.env}={getattr(new, spec.name)}\n" for spec in FIELDS))
     code, out, _ = run(capsys, "identity", "diff", old.namespace, str(pins), "--json")
     assert code == 0
     assert json.loads(out)["differences"] == [{"field": "tensor_parallel_size", "a": 1, "b": "2"}]

@@ -15,6 +15,7 @@ Invariants
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 from collections.abc import Mapping, Sequence
@@ -50,6 +51,8 @@ class IdentityFlags:
     dtype: str | None = None
     kv_cache_dtype: str | None = None
     chat_template: str | None = None
+    quantization: str | None = None
+    hf_overrides: str | None = None  # JSON text, as vLLM takes it
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -63,6 +66,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype",
                    help="vLLM --kv-cache-dtype; 'auto' resolves to the weights' dtype")
     p.add_argument("--chat-template", help="vLLM --chat-template (a file)")
+    p.add_argument("--quantization", "-q",
+                   help="vLLM --quantization (else the checkpoint's quantization_config decides)")
+    p.add_argument("--hf-overrides", help="vLLM --hf-overrides (JSON: rope scaling and the like)")
 
 
 def _flag_parser() -> argparse.ArgumentParser:
@@ -89,7 +95,21 @@ def identity_flags(args: str | Sequence[str]) -> IdentityFlags:
                          tensor_parallel_size=_or_default(known, "tensor_parallel_size"),
                          pipeline_parallel_size=_or_default(known, "pipeline_parallel_size"),
                          max_model_len=known.max_model_len, dtype=known.dtype,
-                         kv_cache_dtype=known.kv_cache_dtype, chat_template=known.chat_template)
+                         kv_cache_dtype=known.kv_cache_dtype, chat_template=known.chat_template,
+                         quantization=known.quantization, hf_overrides=known.hf_overrides)
+
+
+def hf_overrides_of(flags: IdentityFlags) -> dict[str, object] | None:
+    """``--hf-overrides`` as the mapping vLLM applies; PinsError when it is not a JSON object."""
+    if flags.hf_overrides is None:
+        return None
+    try:
+        value = json.loads(flags.hf_overrides)
+    except json.JSONDecodeError as exc:
+        raise PinsError(f"--hf-overrides {flags.hf_overrides!r} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise PinsError(f"--hf-overrides {flags.hf_overrides!r} must be a JSON object")
+    return value
 
 
 def _or_default(known: argparse.Namespace, name: str) -> int:

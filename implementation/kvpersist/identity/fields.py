@@ -79,6 +79,13 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("max_model_len", "KVP_MAX_MODEL_LEN", "posint", "max model length in tokens"),
     FieldSpec("chat_template_sha256", "KVP_CHAT_TEMPLATE_SHA256", "sha256",
               "sha256 of the chat template vLLM uses, or 'none'"),
+    FieldSpec("model_dtype", "KVP_MODEL_DTYPE", "dtype",
+              "the model's compute dtype as vLLM resolves --dtype ('auto' refused)"),
+    FieldSpec("quantization", "KVP_QUANTIZATION", "text",
+              "weight quantization method as vLLM resolves it, or 'none'"),
+    FieldSpec("model_config_sha256", "KVP_MODEL_CONFIG_SHA256", "sha256",
+              "sha256 of the checkpoint's config.json with --hf-overrides (rope scaling, "
+              "quantization_config, architecture)"),
 )
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 _BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
@@ -155,6 +162,9 @@ class CacheIdentity:
     build: str
     max_model_len: int
     chat_template_sha256: str
+    model_dtype: str
+    quantization: str
+    model_config_sha256: str
 
     def __post_init__(self) -> None:
         for spec in FIELDS:

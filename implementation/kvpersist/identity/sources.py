@@ -20,6 +20,9 @@ from typing import Any
 
 from .fields import NO_CHAT_TEMPLATE
 
+#: The ``quantization`` field of an unquantized model.
+NO_QUANTIZATION = "none"
+
 #: Bumped whenever the on-disk format or the key derivation of kvpersist changes.
 KVPERSIST_FORMAT_VERSION = 1
 CONNECTOR_NAME = "LMCacheMPConnector"
@@ -130,25 +133,67 @@ def resolved_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: str | None)
     return model_dtype if model_dtype not in (None, "auto") else None
 
 
-def from_model_folder(folder: str | Path, *, kv_cache_dtype: str = "auto") -> dict[str, object]:
-    """Fields readable from a local HF-style model folder.
+def model_config_digest(config: Mapping[str, Any], hf_overrides: Mapping[str, Any] | None
+                        ) -> str:
+    """sha256 of a checkpoint's ``config.json`` (parsed) together with vLLM's ``hf_overrides``.
 
-    ``kv_cache_dtype="auto"`` resolves to the weights' dtype from config.json, as vLLM does.
-    Model id and revision are reported only for folders inside the HF cache layout.
-    Raises ValueError when config.json is missing or unreadable.
+    The config covers everything the checkpoint says about its computation (architecture, rope
+    scaling, sliding window, ``quantization_config``); the overrides are what the recipe changes
+    of it (``--hf-overrides``).  Both sides of the pins check compute it from these two inputs,
+    never from the config object transformers builds (its defaults move between versions)."""
+    payload = {"config": config, "hf_overrides": dict(hf_overrides or {})}
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      default=str)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def read_model_config(path: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` at ``path``; ValueError when it cannot be read."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read model config {path}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"model config {path} is not a JSON object")
+    return cfg
+
+
+def checkpoint_quantization(cfg: Mapping[str, Any]) -> str:
+    """The weight quantization a checkpoint declares (``quantization_config.quant_method``;
+    vLLM's ``--quantization`` overrides it), or ``none``."""
+    for holder in (cfg, _text_config(cfg)):
+        qcfg = holder.get("quantization_config")
+        if isinstance(qcfg, Mapping):
+            method = qcfg.get("quant_method")
+            return str(method).lower() if method else "unknown"
+    return NO_QUANTIZATION
+
+
+def from_model_folder(folder: str | Path, *, kv_cache_dtype: str = "auto", dtype: str = "auto",
+                      quantization: str | None = None,
+                      hf_overrides: Mapping[str, Any] | None = None) -> dict[str, object]:
+    """Fields readable from a local HF-style model folder, served with the given vLLM flags.
+
+    ``dtype="auto"`` is the weights' dtype from config.json, and ``kv_cache_dtype="auto"`` is
+    the model's dtype, as vLLM resolves them.  ``quantization`` is ``--quantization`` (else the
+    checkpoint's), ``hf_overrides`` is ``--hf-overrides``.  Model id and revision are reported
+    only for folders inside the HF cache layout.  Raises ValueError when config.json is missing
+    or unreadable.
     """
     path = Path(folder)
-    cfg_path = path / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read model config {cfg_path}: {exc}") from None
+    cfg = read_model_config(path / "config.json")
     out = geometry_from_hf_config(cfg)
-    model_dtype = out.pop("_model_dtype", None)
-    resolved = resolved_kv_cache_dtype(kv_cache_dtype,
-                                       None if model_dtype is None else str(model_dtype))
+    weights_dtype = out.pop("_model_dtype", None)
+    model_dtype = resolved_kv_cache_dtype(dtype, None if weights_dtype is None
+                                          else str(weights_dtype))
+    if model_dtype is not None:
+        out["model_dtype"] = model_dtype
+    resolved = resolved_kv_cache_dtype(kv_cache_dtype, model_dtype)
     if resolved is not None:
         out["kv_cache_dtype"] = resolved
+    out["quantization"] = (quantization.lower() if quantization
+                           else checkpoint_quantization(cfg))
+    out["model_config_sha256"] = model_config_digest(cfg, hf_overrides)
     origin = hf_snapshot_origin(path)
     if origin is not None:
         out["model_id"], out["model_revision"] = origin
@@ -185,6 +230,11 @@ def from_vllm_config(vllm_config: Any, *, chat_template_file: str | None = None)
     build = build_identity()
     if build is not None:
         out["build"] = build
+    out["model_dtype"] = _resolved_dtype_name(mc.dtype)
+    out["quantization"] = str(mc.quantization).lower() if mc.quantization else NO_QUANTIZATION
+    config_digest = engine_model_config_digest(mc)
+    if config_digest is not None:
+        out["model_config_sha256"] = config_digest
     model_path = Path(str(mc.model))
     if model_path.is_dir():
         origin = hf_snapshot_origin(model_path)
@@ -210,3 +260,36 @@ def from_vllm_config(vllm_config: Any, *, chat_template_file: str | None = None)
         if mc.tokenizer_revision and _SHA1_RE.match(str(mc.tokenizer_revision)):
             out["tokenizer_revision"] = mc.tokenizer_revision
     return out
+
+
+def engine_config_json(mc: Any) -> Path | None:
+    """Where the running engine's ``config.json`` is: its ``hf_config_path`` or model folder,
+    or the Hugging Face cache's snapshot of its model id and revision; None when unknown."""
+    if getattr(mc, "config_format", "auto") not in ("auto", "hf"):
+        return None
+    source = Path(str(getattr(mc, "hf_config_path", None) or mc.model))
+    if source.is_dir():
+        return source / "config.json"
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(str(mc.model), "config.json",
+                                   revision=getattr(mc, "revision", None))
+    return Path(found) if isinstance(found, str) else None
+
+
+def engine_model_config_digest(mc: Any) -> str | None:
+    """:func:`model_config_digest` of the running engine, or None (the field is then missing
+    and caching stays off) when its config.json cannot be found or its ``hf_overrides`` is a
+    function (which no digest can key)."""
+    overrides = getattr(mc, "hf_overrides", None)
+    if overrides is not None and not isinstance(overrides, Mapping):
+        return None
+    path = engine_config_json(mc)
+    if path is None:
+        return None
+    try:
+        return model_config_digest(read_model_config(path), overrides)
+    except ValueError:
+        return None

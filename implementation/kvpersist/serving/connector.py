@@ -68,6 +68,7 @@ from .connector_metrics import KvPersistConnectorStats, KvPersistPromMetrics
 from .gate import AttachLate, Bypass, CacheOn, Closed, decide, record_identity
 from .lmcache_compat import adapters as lmcache_adapters
 from .lmcache_compat import pins as lmcache_pins
+from .request_keys import RequestKeys, lora_settings
 from .scheduler_side import SchedulerSide
 from .worker_side import WorkerSide
 
@@ -173,7 +174,8 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         if role is KVConnectorRole.SCHEDULER:
             self.kvp_scheduler = SchedulerSide(
                 self, options, identity, self.kvp_stats, attach_late=attach_late,
-                workers=int(vllm_config.parallel_config.world_size))
+                workers=int(vllm_config.parallel_config.world_size),
+                keys=RequestKeys(lora_settings(vllm_config)))
         else:
             self.kvp_worker = WorkerSide(self.worker_adapter, options, self.kvp_stats,
                                          attach_late=attach_late)
@@ -188,6 +190,14 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
     @property
     def kvp_attached(self) -> bool:
         return self.kvp_scheduler is None or self.kvp_scheduler.attached
+
+    def _get_or_create_request_tracker(self, request: Any) -> Any:
+        """LMCache's tracker of ``request``, keyed by kvpersist before any use
+        (:meth:`~kvpersist.serving.scheduler_side.SchedulerSide.key_tracker`)."""
+        tracker = super()._get_or_create_request_tracker(request)
+        if self.kvp_scheduler is not None:
+            self.kvp_scheduler.key_tracker(request, tracker)
+        return tracker
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:

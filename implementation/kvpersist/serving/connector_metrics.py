@@ -39,6 +39,12 @@ DROPPED_STORES = "kvpersist_dropped_stores"
 DROPPED_STORE_METRIC = "vllm:kvpersist_dropped_stores_total"
 #: server_down: the scheduler's heartbeat said the server is down when the store was due.
 DROPPED_STORE_REASONS = ("server_down",)
+UNCACHED = "kvpersist_uncached_requests"
+UNCACHED_METRIC = "vllm:kvpersist_uncached_requests_total"
+#: prompt_embeds: the request carries prompt embeddings (no content key); lora_not_local,
+#: lora_unreadable, lora_changed: its LoRA adapter cannot be keyed by content
+#: (:mod:`kvpersist.serving.request_keys`).
+UNCACHED_REASONS = ("prompt_embeds", "lora_not_local", "lora_unreadable", "lora_changed")
 #: What each labelled counter of these stats is: data key -> (metric, reasons, help text).
 COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     BYPASSES: (BYPASS_METRIC, BYPASS_REASONS,
@@ -52,6 +58,10 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     DROPPED_STORES: (DROPPED_STORE_METRIC, DROPPED_STORE_REASONS,
                      "Stores the scheduler did not send (those chunks are not cached), by "
                      "reason: server_down (the heartbeat said the server is down)."),
+    UNCACHED: (UNCACHED_METRIC, UNCACHED_REASONS,
+               "Requests kvpersist neither looked up nor stored because their KV cannot be "
+               "keyed exactly, by reason: prompt_embeds, lora_not_local, lora_unreadable, "
+               "lora_changed."),
 }
 
 
@@ -69,6 +79,9 @@ class KvPersistConnectorStats(LMCacheMPConnectorStats):  # type: ignore[misc]
 
     def record_bypass(self, reason: str) -> None:
         self._count(BYPASSES, reason)
+
+    def record_uncached(self, reason: str) -> None:
+        self._count(UNCACHED, reason)
 
     def record_failed_load(self, reason: str, n: int = 1) -> None:
         self._count(FAILED_LOADS, reason, n)
@@ -104,6 +117,8 @@ class KvPersistConnectorStats(LMCacheMPConnectorStats):  # type: ignore[misc]
             out[f"kvpersist failed loads ({reason})"] = count
         for reason, count in self.data[DROPPED_STORES].items():
             out[f"kvpersist dropped stores ({reason})"] = count
+        for reason, count in self.data[UNCACHED].items():
+            out[f"kvpersist uncached requests ({reason})"] = count
         return out
 
     def is_empty(self) -> bool:

@@ -17,6 +17,9 @@ Invariants
   (unless LMCache's lazy offload expects one receipt per store) and counted in ``/metrics``.
 * An abandoned lookup's L1 locks are released on a live server (a courtesy: the read-lock TTL
   is the backstop).
+* Every request LMCache tracks is keyed before LMCache uses its tracker: its salt is the one
+  :mod:`kvpersist.serving.request_keys` derives (the LoRA adapter's content folded in), or, when
+  its KV cannot be keyed exactly, it is neither looked up nor stored (``max_offload_tokens`` 0).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .late_attach import RegistrationWatch
 from .lmcache_compat import adapters as lmcache_adapters
 from .lmcache_compat import status as server_status
 from .lookup_deadline import LookupDeadline, ServerProgressProbe
+from .request_keys import RequestKeys, Uncacheable
 
 logger = logging.getLogger("vllm.kvpersist.connector")
 
@@ -70,8 +74,10 @@ class SchedulerSide:
     """kvpersist's state in the scheduler's connector (see module invariants)."""
 
     def __init__(self, connector: Any, options: ConnectorOptions, identity: CacheIdentity,
-                 stats: KvPersistConnectorStats, *, workers: int, attach_late: bool) -> None:
+                 stats: KvPersistConnectorStats, *, workers: int, attach_late: bool,
+                 keys: RequestKeys | None = None) -> None:
         self._connector = connector
+        self.keys = keys if keys is not None else RequestKeys(None)
         self._adapter = connector.scheduler_adapter
         self._stats = stats
         self.deadline = LookupDeadline(
@@ -96,6 +102,13 @@ class SchedulerSide:
         """LMCache's lookup (``lmcache_lookup``) under the deadline; ``(0, False)`` when the
         request bypasses, ``(None, False)`` while it waits for a live server."""
         rid = request.request_id
+        tracker = lmcache_adapters.tracker_of(self._connector, request)  # keyed (key_tracker)
+        uncacheable = lmcache_adapters.tracker_mark(tracker)
+        if isinstance(uncacheable, Uncacheable):
+            if lmcache_adapters.is_fresh(tracker):
+                self._stats.record_uncached(uncacheable.reason)
+                lmcache_adapters.finish_bypass(tracker)
+            return 0, False
         if not self.attached:  # an engine started before the server: computed, no lookup
             self._skip(request)
             return 0, False
@@ -118,6 +131,18 @@ class SchedulerSide:
         if result[0] is not None:
             self.deadline.end(rid)
         return result
+
+    def key_tracker(self, request: Any, tracker: Any) -> None:
+        """Give LMCache's new ``tracker`` of ``request`` its key: the derived salt, or no
+        lookup and no store at all (see module invariants).  Once per tracker."""
+        if lmcache_adapters.tracker_mark(tracker) is not None:
+            return
+        key = self.keys.salt(request)
+        if isinstance(key, Uncacheable):
+            lmcache_adapters.store_nothing(tracker)
+        else:
+            lmcache_adapters.set_tracker_salt(tracker, key)
+        lmcache_adapters.mark_tracker(tracker, key)
 
     def finished(self, request: Any) -> None:
         self.deadline.end(request.request_id)

@@ -34,6 +34,7 @@ from ..pins_writer import (
     PinsError,
     add_engine_flags,
     check_model_folder,
+    hf_overrides_of,
     identity_flags,
     overrides,
     render_pins,
@@ -88,7 +89,9 @@ def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
                                    else None)
     live: dict[str, object] = {}
     if folder:
-        live.update(from_model_folder(folder, kv_cache_dtype=_kv_cache_dtype(flags)))
+        live.update(from_model_folder(
+            folder, kv_cache_dtype=_kv_cache_dtype(flags), dtype=flags.dtype or "auto",
+            quantization=flags.quantization, hf_overrides=hf_overrides_of(flags)))
     template_text = None
     if flags.chat_template:
         try:

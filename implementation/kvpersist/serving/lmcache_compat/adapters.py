@@ -167,6 +167,46 @@ def mark_bypassed(connector: Any, request: Any) -> Any | None:
     return tracker
 
 
+#: The attribute kvpersist sets on each LMCache request tracker it has keyed: the salt it gave
+#: the tracker, or the :class:`~kvpersist.serving.request_keys.Uncacheable` that stopped it.
+_KEY_MARK = "_kvp_request_key"
+
+
+def tracker_of(connector: Any, request: Any) -> Any:
+    """LMCache's tracker of ``request`` (created, and keyed by kvpersist, if new)."""
+    return connector._get_or_create_request_tracker(request)
+
+
+def tracker_mark(tracker: Any) -> Any:
+    """What :func:`mark_tracker` recorded on ``tracker``, or None if it is not keyed yet."""
+    return getattr(tracker, _KEY_MARK, None)
+
+
+def mark_tracker(tracker: Any, key: Any) -> None:
+    setattr(tracker, _KEY_MARK, key)
+
+
+def set_tracker_salt(tracker: Any, salt: str) -> None:
+    """The salt every key of ``tracker``'s request is made with (lookup, load, store, lock
+    release all read ``tracker.cache_salt``)."""
+    _attribute(tracker, "cache_salt")
+    tracker.cache_salt = salt
+
+
+def store_nothing(tracker: Any) -> None:
+    """No chunk of ``tracker``'s request is ever stored (LMCache bounds its stores by
+    ``max_offload_tokens``)."""
+    _attribute(tracker, "max_offload_tokens")
+    tracker.max_offload_tokens = 0
+
+
+def is_fresh(tracker: Any) -> bool:
+    """Whether ``tracker`` is still in LMCache's first state (no lookup decided yet)."""
+    from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
+
+    return bool(tracker.state == LMCacheMPRequestState.PREFETCHING)
+
+
 def finish_bypass(tracker: Any) -> None:
     from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
 

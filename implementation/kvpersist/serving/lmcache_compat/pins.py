@@ -47,6 +47,8 @@ _PICKLE = "lmcache.v1.multiprocess.transfer_context.pickle"
 _STORAGE = "lmcache.v1.distributed.storage_manager"
 _L1 = "lmcache.v1.distributed.l1_manager"
 _PREFETCH = "lmcache.v1.distributed.storage_controllers.prefetch_controller"
+_MP_METADATA = "lmcache.integration.vllm.lmcache_mp_metadata"
+_VLLM_UTILS = "lmcache.integration.vllm.utils"
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,28 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
             (_MP_ADAPTER, "LMCacheMPSchedulerAdapter.free_lookup_locks", "7f6613ffafd51fde"),
             (_MP_ADAPTER, "LMCacheMPSchedulerAdapter.cleanup_lookup_result",
              "1e9957d2dede61e1"),
+        )),
+    Feature(
+        "request_keys",
+        purpose="each request's LoRA adapter is folded into the salt of its keys, a request "
+                "that cannot be keyed is neither looked up nor stored, and multimodal items "
+                "reach the keys through LMCache's content-hash substitution "
+                "(serving.request_keys)",
+        if_off="the gate closes: an adapter's or an image's KV could be served to another "
+               "request",
+        unsafe_without=True,
+        sources=(
+            (_MP_METADATA, "LMCacheMPRequestTracker.__init__", "d60ccdbb06741a4f"),
+            (_MP_METADATA, "LMCacheMPRequestTracker.get_token_ids", "e8bd32e31a97654e"),
+            (_MP_METADATA, "LMCacheMPRequestMetadata.GetStoreMetadata", "c9d183a54d1b1259"),
+            (_MP_CONNECTOR, "LMCacheMPConnector._get_or_create_request_tracker",
+             "4ea69bf7550fc3af"),
+            (_MP_CONNECTOR, "LMCacheMPConnector.get_num_new_matched_tokens",
+             "6746ba941c55d318"),
+            (_MP_CONNECTOR, "LMCacheMPConnector.update_state_after_alloc", "2f195bbc9244a56a"),
+            (_VLLM_UTILS, "extract_mm_features", "9b2620eba7426d90"),
+            (_VLLM_UTILS, "apply_mm_hashes_to_token_ids", "a25d7c36a0dab034"),
+            (_VLLM_UTILS, "mm_hash_to_token_values", "e7c9c9f7e581e4b9"),
         )),
     Feature(
         "late_attach",
@@ -213,7 +237,8 @@ def available(name: str) -> bool:
     return not changed
 
 
-def unsafe_reasons(names: tuple[str, ...] = ("load_fence", "lookup_control")) -> list[str]:
+def unsafe_reasons(names: tuple[str, ...] = ("load_fence", "lookup_control", "request_keys")
+                   ) -> list[str]:
     """Why caching must not start in a vLLM process: each exactness feature that is off."""
     return [f"kvpersist's {n} does not match the installed LMCache/vLLM "
             f"({FEATURES[n].if_off})" for n in names

@@ -1,0 +1,181 @@
+"""What a request adds to LMCache's key besides its tokens: its LoRA adapter, by content.
+
+LMCache keys a chunk by the model name (kvpersist's carries the namespace), the rank, the
+object group, a hash of the chunk's token IDs and the request's ``cache_salt``.  For a
+multimodal request LMCache itself replaces each placeholder span of the token IDs with values
+derived from vLLM's content hash of the item (``apply_mm_hashes_to_token_ids``), the same
+identifier vLLM's own prefix cache uses, so two images never share a key.  A LoRA adapter
+reaches no part of the key: kvpersist folds it into the salt LMCache sees
+(:func:`request_salt`), which LMCache already keeps apart everywhere (key, file name, lookup).
+
+Invariants
+----------
+* A request without an adapter keeps its own salt, byte for byte, unless that salt starts with
+  :data:`RESERVED_PREFIX`; files written before per-request keys existed stay reachable.
+* Every other request's salt is ``kvpk-<adapter tag>-<32 hex>``, the hex a sha256 over the
+  request's own salt and the adapter's full digest: two requests share a salt only when both
+  agree, and no user-chosen salt can equal a derived one (a user salt with the reserved prefix
+  is derived too).
+* An adapter is keyed by its content: sha256 over every file of its folder (relative path and
+  bytes) with the engine's LoRA settings that change the adapter's computation; never by its
+  name or id alone.
+* The digest is taken once per engine process and adapter; when the adapter's files change
+  afterwards, the engine may still run the weights it loaded before, so that adapter's requests
+  are neither looked up nor stored from then on (:class:`Uncacheable`).  An adapter that is not
+  a local folder, and a request with prompt embeddings (no content key exists for them), are
+  uncacheable too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("vllm.kvpersist.connector")
+
+#: Salts that start with this are kvpersist's own (derived) salts.
+RESERVED_PREFIX = "kvpk-"
+#: The tag of a derived salt without an adapter (a user salt with the reserved prefix).
+NO_ADAPTER_TAG = "base"
+_DOMAIN = "kvpersist-request-key-v1"
+_READ_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Uncacheable:
+    """This request must neither hit nor be stored; ``reason`` is a short metric label and
+    ``detail`` says why, once, in the log."""
+
+    reason: str
+    detail: str
+
+
+def request_salt(user_salt: str, adapter_digest: str | None) -> str:
+    """The salt LMCache sees for a request with ``user_salt`` and this adapter (see module
+    invariants)."""
+    if adapter_digest is None and not user_salt.startswith(RESERVED_PREFIX):
+        return user_salt
+    payload = json.dumps([_DOMAIN, user_salt, adapter_digest], ensure_ascii=True)
+    digest = hashlib.sha256(payload.encode("ascii")).hexdigest()[:32]
+    tag = NO_ADAPTER_TAG if adapter_digest is None else f"lora{adapter_digest[:12]}"
+    return f"{RESERVED_PREFIX}{tag}-{digest}"
+
+
+def adapter_tag_of_salt(salt: str) -> str | None:
+    """The 12-hex adapter tag a derived salt carries (for reports), or None."""
+    if not salt.startswith(RESERVED_PREFIX + "lora"):
+        return None
+    return salt[len(RESERVED_PREFIX) + 4:].split("-", 1)[0] or None
+
+
+def folder_signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """(relative path, size, mtime in ns) of every regular file below ``folder``, sorted."""
+    rows = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for name in filenames:
+            path = Path(dirpath) / name
+            st = path.stat()
+            rows.append((str(path.relative_to(folder)), st.st_size, st.st_mtime_ns))
+    return tuple(sorted(rows))
+
+
+def adapter_digest(folder: Path, settings: Mapping[str, Any]) -> str:
+    """sha256 over the adapter folder's files (relative path, length, bytes) and the engine's
+    LoRA ``settings`` that change the adapter's computation."""
+    h = hashlib.sha256()
+    h.update(json.dumps([_DOMAIN, dict(settings)], sort_keys=True, default=str).encode())
+    for rel, size, _ in folder_signature(folder):
+        h.update(f"\0{rel}\0{size}\0".encode())
+        with open(folder / rel, "rb") as fh:
+            while block := fh.read(_READ_BLOCK):
+                h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class _Adapter:
+    digest: str | None
+    signature: tuple[tuple[str, int, int], ...]
+    changed: bool = False
+
+
+class RequestKeys:
+    """The salts of one engine's requests (see module invariants); lives in the scheduler."""
+
+    def __init__(self, lora_settings: Mapping[str, Any] | None) -> None:
+        self._lora_settings = dict(lora_settings or {})
+        self._adapters: dict[tuple[int, str, str], _Adapter] = {}
+        self._logged: set[tuple[int, str, str]] = set()
+
+    def salt(self, request: Any) -> str | Uncacheable:
+        """The salt LMCache must key ``request`` with, or why it cannot be cached."""
+        if getattr(request, "prompt_embeds", None) is not None:
+            return Uncacheable("prompt_embeds", "a request with prompt embeddings has no "
+                               "content key; it is neither looked up nor stored")
+        user_salt = getattr(request, "cache_salt", None) or ""
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return request_salt(user_salt, None)
+        digest = self.adapter_digest(lora)
+        if isinstance(digest, Uncacheable):
+            return digest
+        return request_salt(user_salt, digest)
+
+    def adapter_digest(self, lora: Any) -> str | Uncacheable:
+        """The content digest of ``lora`` (vLLM's ``LoRARequest``), taken once per process."""
+        ident = (int(getattr(lora, "lora_int_id", 0)), str(getattr(lora, "lora_name", "")),
+                 str(getattr(lora, "lora_path", "") or ""))
+        folder = Path(ident[2])
+        if not ident[2] or not folder.is_dir():
+            return self._uncacheable(ident, "lora_not_local",
+                                     f"LoRA adapter {ident[1]!r} is not a local folder "
+                                     f"({ident[2]!r}); its requests are not cached")
+        try:
+            signature = folder_signature(folder)
+            known = self._adapters.get(ident)
+            if known is None:
+                known = _Adapter(adapter_digest(folder, self._lora_settings), signature)
+                self._adapters[ident] = known
+                logger.info("kvpersist: LoRA adapter %r (%s) keyed by content digest %s",
+                            ident[1], folder, known.digest)
+            elif known.signature != signature:
+                known.changed = True
+        except OSError as exc:
+            return self._uncacheable(ident, "lora_unreadable",
+                                     f"LoRA adapter {ident[1]!r} cannot be read: {exc}")
+        if known.changed or known.digest is None:
+            return self._uncacheable(ident, "lora_changed",
+                                     f"LoRA adapter {ident[1]!r} changed on disk after this "
+                                     "engine keyed it; its requests are not cached until the "
+                                     "engine restarts")
+        return known.digest
+
+    def _uncacheable(self, ident: tuple[int, str, str], reason: str, detail: str
+                     ) -> Uncacheable:
+        if ident not in self._logged:
+            self._logged.add(ident)
+            logger.warning("kvpersist: %s", detail)
+        return Uncacheable(reason, detail)
+
+
+def lora_settings(vllm_config: Any) -> dict[str, Any]:
+    """The engine's LoRA settings that change an adapter's computation: the ``lora_config``
+    fields the classification marks per-request (:mod:`kvpersist.identity.engine_fields`)."""
+    from ..identity.engine_fields import ENGINE_FIELDS, PerRequest
+
+    lora_config = getattr(vllm_config, "lora_config", None)
+    if lora_config is None:
+        return {}
+    out: dict[str, Any] = {}
+    for name, decision in ENGINE_FIELDS.items():
+        top, _, field = name.partition(".")
+        if top == "lora_config" and isinstance(decision, PerRequest):
+            out[field] = str(getattr(lora_config, field, None))
+    return out
