@@ -176,6 +176,8 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
                 self, options, identity, self.kvp_stats, attach_late=attach_late,
                 workers=int(vllm_config.parallel_config.world_size),
                 keys=RequestKeys(lora_settings(vllm_config)))
+            # every tracker LMCache creates is keyed before LMCache uses it
+            lmcache_adapters.key_new_trackers(self, self.kvp_scheduler.key_tracker)
         else:
             self.kvp_worker = WorkerSide(self.worker_adapter, options, self.kvp_stats,
                                          attach_late=attach_late)
@@ -190,14 +192,6 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
     @property
     def kvp_attached(self) -> bool:
         return self.kvp_scheduler is None or self.kvp_scheduler.attached
-
-    def _get_or_create_request_tracker(self, request: Any) -> Any:
-        """LMCache's tracker of ``request``, keyed by kvpersist before any use
-        (:meth:`~kvpersist.serving.scheduler_side.SchedulerSide.key_tracker`)."""
-        tracker = super()._get_or_create_request_tracker(request)
-        if self.kvp_scheduler is not None:
-            self.kvp_scheduler.key_tracker(request, tracker)
-        return tracker
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:

@@ -8,10 +8,11 @@ Invariants
 * A server that does not answer at start closes the gate only when the server's chunk size is
   unknown (``kvpersist.chunk_size``, written by the launcher); otherwise the decision is
   "attach late" (:mod:`kvpersist.serving.late_attach`).
-* Fail closed: caching is on only if the connector options parse, the identity derived from the
-  running engine is complete and agrees with the pins, and the LMCache server answers; any
-  other outcome is :class:`Closed`, whose ``reason`` names the setting, the identity field, the
-  layout or the server.  Nothing here raises: a typo in a setting turns caching
+* Fail closed: caching is on only if the connector options parse, no engine setting that
+  kvpersist cannot key is set (:mod:`kvpersist.identity.engine_fields`), the identity derived
+  from the running engine is complete and agrees with the pins, and the LMCache server answers;
+  any other outcome is :class:`Closed`, whose ``reason`` names the setting, the identity field,
+  the layout or the server.  Nothing here raises: a typo in a setting turns caching
   off and vLLM keeps serving.
 * The same inputs give the same decision in every process of an engine (scheduler and each
   worker); where the server's answer differs between them, the connector reconciles through
@@ -30,6 +31,7 @@ from typing import Any
 from ..config.client import ConnectorOptions
 from ..config.values import SettingsError
 from ..identity import CacheIdentity, IdentityError, IdentityResolution, load_pins, merge_sources
+from ..identity.engine_fields import closing_reasons
 from ..identity.records import write_record
 from ..identity.sources import from_vllm_config
 from . import http
@@ -143,6 +145,9 @@ def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
     uneven = uneven_pipeline_split(vllm_config)
     if uneven is not None:
         return Closed(uneven)
+    unkeyable = closing_reasons(vllm_config)
+    if unkeyable:
+        return Closed("; ".join(unkeyable))
     resolution = resolve_engine_identity(vllm_config, options)
     if not resolution.enabled or resolution.identity is None:
         return Closed(resolution.summary())

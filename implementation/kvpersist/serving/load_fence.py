@@ -119,6 +119,12 @@ class LoadFence:
             for key in new:
                 self._sent_to[key] = (flight[key][2], server)
 
+    def server_of(self, future: Any) -> ServerProcess | None:
+        """The server process ``future`` was seen sent to, or None if it was not tagged (or its
+        server could not be named)."""
+        tagged = self._sent_to.get(id(future))
+        return None if tagged is None else tagged[1]
+
     def _server_gone(self, key: int) -> bool:
         """Whether the server of transfer ``key`` can write no more.  Sticky: a process once
         gone stays gone, and a transfer whose server was unnamed stays released once its

@@ -13,6 +13,8 @@ Invariants
 * No transfer into vLLM's KV memory is reported finished while the server may still write it
   (:mod:`kvpersist.serving.load_fence`); a failed load keeps the chunks the server served
   (:mod:`kvpersist.serving.served_prefix`).
+* Before the forward pass of a step that preempted requests, no store the server may still
+  read out of vLLM's KV memory is in flight (:mod:`kvpersist.serving.store_fence`).
 * A late-attaching worker keeps its KV caches for registration until the server answers.
 """
 
@@ -28,6 +30,7 @@ from .lmcache_compat import pickle_transport
 from .load_fence import LoadFence
 from .scheduler_side import dead_after_s
 from .served_prefix import ServedPrefixKeeper
+from .store_fence import StoreFence
 from .transfer_wait import ServerWait, never_gone
 
 
@@ -46,5 +49,7 @@ class WorkerSide:
         self.fence = LoadFence(adapter, server_url=url, record=stats.record_failed_load,
                                keeper=ServedPrefixKeeper(adapter, url))
         self.fence.install()
+        self.store_fence = StoreFence(adapter, server_url=url, server_of=self.fence.server_of)
+        self.store_fence.install()
         if attach_late:
             lmcache_adapters.defer_worker_registration(adapter)

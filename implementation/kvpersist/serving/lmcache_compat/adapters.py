@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 logger = logging.getLogger("vllm.kvpersist.lmcache_compat")
@@ -167,9 +167,51 @@ def mark_bypassed(connector: Any, request: Any) -> Any | None:
     return tracker
 
 
+# -- the store fence (feature store_fence)
+def transfer_context(adapter: Any) -> Any:
+    """The worker adapter's transfer context, or None before the KV caches are registered."""
+    return _attribute(adapter, "transfer_ctx")
+
+
+def take_inflight_stores(ctx: Any) -> list[Any] | None:
+    """Take the stores an ``lmcache_driven`` context has in flight (the server may still read
+    their blocks), leaving it none, as its own flush does; None for a context that keeps no
+    such list (``engine_driven`` copies a store out of the blocks before sending it)."""
+    from lmcache.v1.multiprocess.transfer_context.worker_transfer import (
+        LMCacheDrivenTransferContext,
+    )
+
+    if not isinstance(ctx, LMCacheDrivenTransferContext):
+        return None
+    with _attribute(ctx, "_inflight_lock"):
+        pending = list(_attribute(ctx, "_inflight_stores"))
+        ctx._inflight_stores = []
+    return pending
+
+
+def synchronize_device() -> None:
+    """What LMCache's flush does after its waits: the device's queued work is done."""
+    from lmcache import torch_dev
+
+    torch_dev.synchronize()
+
+
 #: The attribute kvpersist sets on each LMCache request tracker it has keyed: the salt it gave
 #: the tracker, or the :class:`~kvpersist.serving.request_keys.Uncacheable` that stopped it.
 _KEY_MARK = "_kvp_request_key"
+
+
+def key_new_trackers(connector: Any, key: Callable[[Any, Any], None]) -> None:
+    """Have ``key(request, tracker)`` run on every request tracker ``connector`` hands out, before
+    LMCache itself uses it (LMCache reaches its trackers only through this method)."""
+    original = _attribute(connector, "_get_or_create_request_tracker")
+
+    def keyed(request: Any) -> Any:
+        tracker = original(request)
+        key(request, tracker)
+        return tracker
+
+    connector._get_or_create_request_tracker = keyed
 
 
 def tracker_of(connector: Any, request: Any) -> Any:

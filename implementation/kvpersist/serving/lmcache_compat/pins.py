@@ -49,6 +49,7 @@ _L1 = "lmcache.v1.distributed.l1_manager"
 _PREFETCH = "lmcache.v1.distributed.storage_controllers.prefetch_controller"
 _MP_METADATA = "lmcache.integration.vllm.lmcache_mp_metadata"
 _VLLM_UTILS = "lmcache.integration.vllm.utils"
+_WORKER_TRANSFER = "lmcache.v1.multiprocess.transfer_context.worker_transfer"
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,24 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
             (_MP_ADAPTER, "LMCacheMPSchedulerAdapter.free_lookup_locks", "7f6613ffafd51fde"),
             (_MP_ADAPTER, "LMCacheMPSchedulerAdapter.cleanup_lookup_result",
              "1e9957d2dede61e1"),
+        )),
+    Feature(
+        "store_fence",
+        purpose="before the forward pass of a step that preempted requests, every store the "
+                "server reads out of vLLM's KV memory has settled or its server process is "
+                "gone; no fixed timeout (serving.store_fence)",
+        if_off="the gate closes: a preempted request's blocks could be reused while the server "
+               "still reads them, publishing mixed KV under a valid checksum",
+        unsafe_without=True,
+        sources=(
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter.handle_preemptions", "7fefa1ea2bb96b52"),
+            (_MP_CONNECTOR, "LMCacheMPConnector.handle_preemptions", "75b42ef1a764cd9b"),
+            (_MP_CONNECTOR, "_has_preemption_reqs", "eedbc94b2d9cd7a1"),
+            (_WORKER_TRANSFER, "LMCacheDrivenTransferContext.__init__", "9ba8343cad163b0f"),
+            (_WORKER_TRANSFER, "LMCacheDrivenTransferContext.submit_store",
+             "b333d3705d63637d"),
+            (_WORKER_TRANSFER, "LMCacheDrivenTransferContext.flush_inflight_stores",
+             "ca66cad677604592"),
         )),
     Feature(
         "request_keys",
@@ -237,8 +256,8 @@ def available(name: str) -> bool:
     return not changed
 
 
-def unsafe_reasons(names: tuple[str, ...] = ("load_fence", "lookup_control", "request_keys")
-                   ) -> list[str]:
+def unsafe_reasons(names: tuple[str, ...] = ("load_fence", "store_fence", "lookup_control",
+                                             "request_keys")) -> list[str]:
     """Why caching must not start in a vLLM process: each exactness feature that is off."""
     return [f"kvpersist's {n} does not match the installed LMCache/vLLM "
             f"({FEATURES[n].if_off})" for n in names
