@@ -28,9 +28,15 @@ from .values import SettingsError
 if TYPE_CHECKING:
     from .server import ServerSettings
 
-#: Serde types that give back exactly the bytes they were given.  ``aesgcm`` encrypts each
-#: object with AES-GCM (authenticated: a wrong key or a changed byte is a failed load, a miss).
-LOSSLESS_SERDES = ("aesgcm",)
+#: kvpersist's AES-GCM serde: each object encrypted and authenticated together with its object
+#: key (``kvpersist.l2.bound_aesgcm``): a wrong key, a changed byte or a file renamed to another
+#: key is a failed load, a miss.
+BOUND_AESGCM = "kvp-aesgcm"
+#: Spellings in ``KVP_L2_SERDE`` that mean :data:`BOUND_AESGCM` (LMCache's own ``aesgcm`` does
+#: not bind the key, so it is never handed to LMCache).
+AESGCM_ALIASES = ("aesgcm",)
+#: Serde types that give back exactly the bytes they were given.
+LOSSLESS_SERDES = (BOUND_AESGCM,)
 
 _PLACEHOLDER = re.compile(r"\$\{([A-Z0-9_]+)\}")
 
@@ -116,5 +122,7 @@ def l2_adapter_config(settings: ServerSettings) -> dict[str, Any]:
         config["adapter_params"]["shared_tree"] = str(settings.tree)
     if settings.l2_serde is not None:
         config["serde"] = dict(settings.l2_serde)
+        if config["serde"].get("type") in AESGCM_ALIASES:
+            config["serde"]["type"] = BOUND_AESGCM
     refuse_lossy_serde(config, f"the {settings.l2_adapter} L2 adapter config")
     return config

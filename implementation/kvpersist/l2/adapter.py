@@ -47,7 +47,7 @@ from .. import __version__
 from ..config import values
 from ..config.admin import WALKERS
 from ..config.values import SettingsError
-from . import metrics
+from . import bound_aesgcm, metrics
 from .announcer import Announcer
 from .layout import KeyFields
 from .store import KvFileStore
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from lmcache.v1.memory_management import MemoryObj
 
 logger = logging.getLogger("kvpersist.l2")
+bound_aesgcm.register()  # before LMCache wraps this adapter in a serde (kvp-aesgcm)
 _GB = 1024**3
 #: How long LMCache's eviction waits, at most, for its deletions to reach its own accounting
 #: (seconds: a million-key restart announcement takes about 5).
@@ -210,6 +211,8 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                                          thread_name_prefix="kvpersist-l2-file")
         self._store.open(background_scan=True)
         metrics.bind(self._store.status)
+        # an encrypted chunk whose tag fails under its own key (renamed, re-headered, foreign)
+        self._unsubscribe = bound_aesgcm.on_rejected(self._reject_payload)
         logger.info("kvpersist L2 adapter on %s: capacity %.3f GiB, sharded=%s",
                     config.path, config.max_capacity_gb, config.sharded)
 
@@ -386,7 +389,14 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def store(self) -> KvFileStore:
         return self._store
 
+    def _reject_payload(self, key: ObjectKey) -> None:
+        fields = to_fields(key)
+        if self._store.contains(fields):
+            self._store.quarantine_key(fields, "key-binding", "its encrypted payload fails "
+                                       "authentication under its object key")
+
     def close(self) -> None:
+        self._unsubscribe()
         metrics.bind(None)
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._files.shutdown(wait=True, cancel_futures=False)
