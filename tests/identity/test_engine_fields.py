@@ -20,10 +20,9 @@ from kvpersist.identity.engine_fields import (
     Neutral,
     PerRequest,
     closing_reasons,
-    stale_entries,
-    unclassified,
 )
 from kvpersist.identity.sources import from_model_folder, from_vllm_config
+from kvpersist.serving.lmcache_compat.engine_config import stale_entries, unclassified
 
 
 def test_every_engine_field_of_the_installed_vllm_is_classified() -> None:

@@ -14,10 +14,10 @@ top-level ``VllmConfig`` field by its own name) is exactly one of:
 
 Invariants
 ----------
-* The table is closed-world: :func:`unclassified` lists every field of the installed vLLM's
-  configuration that has no entry, and a contract test fails on any (a vLLM upgrade cannot add
-  a KV-changing knob in silence).  At run time an unclassified field that is set away from its
-  default closes the gate (:func:`closing_reasons`).
+* The table is closed-world: ``kvpersist.serving.lmcache_compat.engine_config.unclassified``
+  lists every field of the installed vLLM's configuration that has no entry, and a contract
+  test fails on any (a vLLM upgrade cannot add a KV-changing knob in silence).  This module
+  imports no vLLM (``kvp-admin`` reads it on hosts without one).
 * Floating-point differences of kernels and batch shapes (compilation, CUDA graphs, attention
   backends, scheduling) are *neutral*: they are the noise vLLM's own prefix cache accepts
   between requests of one engine, not a different computation.
@@ -25,9 +25,6 @@ Invariants
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -649,52 +646,6 @@ ENGINE_FIELDS: dict[str, Decision] = {
     "performance_mode": Neutral(_SCHED),
     "shutdown_timeout": Neutral(_RUNTIME),
 }
-
-
-def _config_class(annotation: Any) -> type | None:
-    """The dataclass a ``VllmConfig`` field holds (``X`` or ``X | None``), or None."""
-    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
-        return annotation
-    for arg in typing.get_args(annotation):
-        if isinstance(arg, type) and dataclasses.is_dataclass(arg):
-            return arg
-    return None
-
-
-#: Sub-configs nested one level further whose fields are classified one by one.
-NESTED = {"model_config.multimodal_config": "vllm.config.multimodal.MultiModalConfig"}
-
-
-def engine_field_names() -> Iterator[str]:
-    """Every field name of the installed vLLM's ``VllmConfig``, as the table spells them."""
-    import importlib
-
-    from vllm.config import VllmConfig
-
-    hints = typing.get_type_hints(VllmConfig)
-    for top in dataclasses.fields(VllmConfig):
-        cls = _config_class(hints.get(top.name))
-        if cls is None:
-            yield top.name
-            continue
-        for sub in dataclasses.fields(cls):
-            yield f"{top.name}.{sub.name}"
-    for prefix, dotted in NESTED.items():
-        module, _, name = dotted.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        for sub in dataclasses.fields(cls):
-            yield f"{prefix}.{sub.name}"
-
-
-def unclassified() -> list[str]:
-    """The installed vLLM's configuration fields that have no entry in :data:`ENGINE_FIELDS`."""
-    return [name for name in engine_field_names() if name not in ENGINE_FIELDS]
-
-
-def stale_entries() -> list[str]:
-    """Entries of :data:`ENGINE_FIELDS` that the installed vLLM no longer has."""
-    present = set(engine_field_names())
-    return [name for name in ENGINE_FIELDS if name not in present]
 
 
 _MISSING = object()
