@@ -10,6 +10,13 @@ deterministic.  Each stop appends ``<unix time> stop|go <pid>`` to
 ``KVP_FAULT_JOURNAL`` if set, so a test can order the server's writes against the worker's
 reports.
 
+``KVP_FAULT_STOP_IN_STORE_S=N`` (tests only): the first ``lmcache_driven`` store of the second
+request the server stores stops the whole server process for N seconds before it reads vLLM's
+KV blocks (once per process; the first request's stores go through, so two requests can be
+running when it stops): a server that reads a store late, past every timeout and with its
+heartbeat silent, made deterministic (the store fence's subject).  Journaled like the
+retrieve stop.
+
 ``KVP_FAULT_HOLD_L2_LOADS_WHILE=PATH`` (tests only): every L2 load of kvpersist's adapter waits,
 before it reads a file, while ``PATH`` exists (at most ``HOLD_MAX_S``).  Its L1 buffers are
 reserved and nothing moves: the stalled load a connector gives up, made deterministic; removing
@@ -33,6 +40,10 @@ from pathlib import Path
 from typing import Any
 
 STOP_IN_RETRIEVE = "KVP_FAULT_STOP_IN_RETRIEVE_S"
+STOP_IN_STORE = "KVP_FAULT_STOP_IN_STORE_S"
+#: (module, class, method) of the server's read of a store out of vLLM's KV memory.
+STORE_HANDLER = ("lmcache.v1.multiprocess.modules.lmcache_driven_transfer",
+                 "LMCacheDrivenTransferModule", "store_with_chunk_mask")
 HOLD_LOADS_WHILE = "KVP_FAULT_HOLD_L2_LOADS_WHILE"
 HOLD_MAX_S = 600.0
 #: (module, class, method) of the L2 load the hold delays: named, as the retrieve handlers are,
@@ -48,17 +59,17 @@ RETRIEVE_HANDLERS = (
 )
 
 
-def stop_seconds(environ: Mapping[str, str]) -> float | None:
-    """The configured stop, or None; ValueError names a malformed value."""
-    text = environ.get(STOP_IN_RETRIEVE, "").strip()
+def stop_seconds(environ: Mapping[str, str], variable: str = STOP_IN_RETRIEVE) -> float | None:
+    """The stop ``variable`` configures, or None; ValueError names a malformed value."""
+    text = environ.get(variable, "").strip()
     if not text:
         return None
     try:
         seconds = float(text)
     except ValueError:
-        raise ValueError(f"{STOP_IN_RETRIEVE}={text!r} is not a number of seconds") from None
+        raise ValueError(f"{variable}={text!r} is not a number of seconds") from None
     if not 0 < seconds <= 600:
-        raise ValueError(f"{STOP_IN_RETRIEVE}={text!r} must be in (0, 600] seconds")
+        raise ValueError(f"{variable}={text!r} must be in (0, 600] seconds")
     return seconds
 
 
@@ -100,7 +111,27 @@ class _Stopper:
             stop_process(self.seconds)
 
 
-def _stopping(handler: Callable[..., Any], stop: _Stopper) -> Callable[..., Any]:
+class _SecondRequestStopper:
+    """Stops once, at the first call for the second distinct request id."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._seen: list[str] = []
+        self._done = False
+
+    def __call__(self, request_id: str) -> None:
+        with self._lock:
+            if self._done or request_id in self._seen:
+                return
+            self._seen.append(request_id)
+            if len(self._seen) < 2:
+                return
+            self._done = True
+        stop_process(self.seconds)
+
+
+def _stopping(handler: Callable[..., Any], stop: Callable[[str], None]) -> Callable[..., Any]:
     @functools.wraps(handler)  # keeps LMCache's handler registration attributes
     def stopped_first(module: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
         stop(str(getattr(key, "request_id", key)))
@@ -138,7 +169,18 @@ def install(environ: Mapping[str, str] | None = None) -> float | None:
     """Install the configured faults in this (server) process; returns the stop, if any."""
     env = os.environ if environ is None else environ
     seconds = stop_seconds(env)
+    store_stop = stop_seconds(env, STOP_IN_STORE)
     hold = hold_path(env)
+    if store_stop is not None:
+        import importlib
+
+        module_name, class_name, method = STORE_HANDLER
+        cls = getattr(importlib.import_module(module_name), class_name)
+        setattr(cls, method, _stopping(getattr(cls, method), _SecondRequestStopper(store_stop)))
+        print(f"kvpersist: FAULT INJECTION ({STOP_IN_STORE}={store_stop:g}): the second "
+              "request's first store stops the server before it reads vLLM's KV blocks; for "
+              "tests only",
+              file=sys.stderr, flush=True)
     if hold is not None:
         import importlib
 

@@ -1,0 +1,134 @@
+"""A store the server reads late is never read out of reused blocks: preemption, end to end.
+
+The race, made deterministic: vLLM (CPU, ``lmcache_driven``: the server reads each store straight
+out of vLLM's KV memory, after the forward pass) gets a KV cache of 9 usable blocks of 128
+tokens.  Two ~300-token prompts reach the engine in one request and decode on (``ignore_eos``)
+until the cache is short and the second is preempted.  The server (test-only
+``KVP_FAULT_STOP_IN_STORE_S``) stops as it starts on the second prompt's first store, before
+reading any of its blocks, for far longer than the worker's store timeout
+(``KVP_MQ_TIMEOUT_S=2``) and its heartbeat.  A third chat, sent once the preemption happened, would take the preempted chat's
+freed blocks: LMCache's own flush skips its wait while the heartbeat calls the server
+unhealthy, so the server, once it runs again, would read the third chat's KV under the
+preempted chat's keys.  kvpersist's store fence holds the step until the server read them.
+After restarting both processes, each prompt comes back from L2 bit-identical to the same chat
+computed cold (under another salt, so nothing is shared).  ``KVP_TEST_WITHOUT_STORE_FENCE=1``
+runs the same test with the fence removed (a test-only ``sitecustomize`` in vLLM's processes).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist.config.server import ServerSettings
+from kvpersist.demo.stack import VllmProcess, http_json, metric_sum
+from kvpersist.serving.lmcache_compat import fault_injection
+from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing.helpers import wait_for_l2_files, wait_until, write_pins
+
+pytestmark = pytest.mark.e2e
+CHUNK = 256
+MAX_LEN = 1024
+BLOCKS = 10  # 9 usable blocks of 128 tokens: two prompts of 3 blocks each, until they grow
+STOP_S = 30.0
+NO_FENCE = """\
+import kvpersist.serving.store_fence as _f
+_f.StoreFence.install = lambda self: None
+"""
+
+
+def text(topic: str, chars: int = 300) -> str:
+    """A prompt of about ``chars`` tokens for the byte-level tiny model."""
+    out = f"Notes about {topic}."
+    turn = 0
+    while len(out) < chars:
+        out += f" Fact {turn} about {topic} is kept on the NVMe tier."
+        turn += 1
+    return out
+
+
+def complete(base_url: str, prompts: list[str], *, max_tokens: int, ignore_eos: bool = False,
+             cache_salt: str | None = None) -> dict[str, Any]:
+    """One completions request (several prompts reach the engine together)."""
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompts, "max_tokens": max_tokens,
+                            "temperature": 0.0, "logprobs": 1, "ignore_eos": ignore_eos}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    reply: dict[str, Any] = http_json(base_url + "/v1/completions", body, timeout=300)
+    return reply
+
+
+def answer(reply: dict[str, Any]) -> tuple[list[str], list[float]]:
+    logprobs = reply["choices"][0]["logprobs"]
+    return list(logprobs["tokens"]), [float(x) for x in logprobs["token_logprobs"]]
+
+
+def cached(reply: dict[str, Any]) -> int:
+    return int((reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_a_preempted_request_s_store_is_read_before_its_blocks_are_reused(
+        tiny_model: Path, tmp_path: Path, server_env: dict[str, str],
+        settings: ServerSettings) -> None:
+    pins = write_pins(tmp_path / "pins.env", max_model_len=str(MAX_LEN))
+    vllm_env = {**server_env, "KVP_MQ_TIMEOUT_S": "2", "KVP_MP_TRANSFER_MODE": "lmcache_driven"}
+    if os.environ.get("KVP_TEST_WITHOUT_STORE_FENCE") == "1":
+        site = tmp_path / "no-fence"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(NO_FENCE)
+        vllm_env["PYTHONPATH"] = str(site)
+    prompts = {name: text(f"preemption {name}") for name in ("a", "b", "c")}
+
+    journal = tmp_path / "faults.log"
+    start_server(settings, env={**os.environ, fault_injection.STOP_IN_STORE: str(STOP_S),
+                                fault_injection.JOURNAL: str(journal)})
+    log = tmp_path / "vllm-small.log"
+    vllm = VllmProcess(tiny_model, pins, log, vllm_env, max_model_len=MAX_LEN,
+                       extra_args=["--num-gpu-blocks-override", str(BLOCKS),
+                                   "--max-num-batched-tokens", "2048",
+                                   "--no-enable-prefix-caching"])
+    replies: dict[str, dict[str, Any]] = {}
+    try:
+        vllm.start()
+
+        def ask(names: tuple[str, ...]) -> None:
+            replies[names[0]] = complete(vllm.base_url, [prompts[n] for n in names],
+                                         max_tokens=400, ignore_eos=True)
+
+        # a and b reach the engine together; the server stops at b's first store
+        pair = threading.Thread(target=ask, args=(("a", "b"),), daemon=True)
+        pair.start()
+        wait_until(lambda: "<preempted>" in log.read_text(errors="replace"), timeout=120)
+        assert "stop" in journal.read_text(), "the server never stopped in a store"
+        third = threading.Thread(target=ask, args=(("c",),), daemon=True)
+        third.start()  # its lookup waits for the stopped server, then it is computed
+        pair.join(300)
+        third.join(300)
+        assert set(replies) == {"a", "c"}
+        assert journal.read_text().split()[1::3] == ["stop", "go"]
+        assert metric_sum(vllm.metrics(), "vllm:num_preemptions_total") >= 1
+        tokens = int(replies["c"]["usage"]["prompt_tokens"])
+        wait_for_l2_files(settings.cache_root, len(prompts) * (tokens // CHUNK))
+    finally:
+        vllm.kill()
+    stop_server(settings)
+
+    # both restarted, a cache that holds every chat: each from L2 equals it computed cold
+    start_server(settings)
+    vllm = VllmProcess(tiny_model, pins, tmp_path / "vllm.log", server_env,
+                       max_model_len=MAX_LEN, extra_args=["--no-enable-prefix-caching"])
+    try:
+        vllm.start()
+        for name, prompt in prompts.items():
+            cold = complete(vllm.base_url, [prompt], max_tokens=16, cache_salt=f"cold-{name}")
+            assert cached(cold) == 0
+            restored = complete(vllm.base_url, [prompt], max_tokens=16)
+            assert cached(restored) == (tokens - 1) // CHUNK * CHUNK, (name, restored["usage"])
+            assert answer(restored) == answer(cold), name
+    finally:
+        vllm.kill()
+
