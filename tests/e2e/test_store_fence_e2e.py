@@ -6,13 +6,16 @@ tokens.  Two ~300-token prompts reach the engine in one request and decode on (`
 until the cache is short and the second is preempted.  The server (test-only
 ``KVP_FAULT_STOP_IN_STORE_S``) stops as it starts on the second prompt's first store, before
 reading any of its blocks, for far longer than the worker's store timeout
-(``KVP_MQ_TIMEOUT_S=2``) and its heartbeat.  A third chat, sent once the preemption happened, would take the preempted chat's
-freed blocks: LMCache's own flush skips its wait while the heartbeat calls the server
-unhealthy, so the server, once it runs again, would read the third chat's KV under the
-preempted chat's keys.  kvpersist's store fence holds the step until the server read them.
-After restarting both processes, each prompt comes back from L2 bit-identical to the same chat
-computed cold (under another salt, so nothing is shared).  ``KVP_TEST_WITHOUT_STORE_FENCE=1``
-runs the same test with the fence removed (a test-only ``sitecustomize`` in vLLM's processes).
+(``KVP_MQ_TIMEOUT_S=2``) and its heartbeat.  A third prompt, sent once the preemption happened,
+takes freed blocks.  LMCache's own flush skips its wait while the heartbeat calls the server
+unhealthy (and waits 2 s at most otherwise), so the server, once it runs again, would read other
+KV under the preempted prompt's keys; kvpersist's store fence holds the step until the server
+read them.  After restarting both processes, each prompt comes back from L2 bit-identical to
+the same prompt computed cold (under another salt, so nothing is shared).
+
+The probe can fail: ``KVP_TEST_WITHOUT_STORE_FENCE=1`` runs the same test with the fence removed
+(a test-only ``sitecustomize`` in vLLM's processes); on 2026-12-03 it failed there, the
+preempted prompt's restored answer differing from its cold one.
 """
 
 from __future__ import annotations
