@@ -366,3 +366,29 @@ def test_report_and_verify_show_files_per_rank_and_a_missing_rank_makes_a_namesp
                                            "1/2": {"checked": 5, "failed": 0}}
     code, out, _ = run(capsys, "verify")
     assert "0/2 6 checked, 0 failed, 1/2 5 checked, 0 failed" in out
+
+
+def test_report_names_the_lora_adapters_of_each_namespace(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpersist.identity.adapter_records import record_adapter
+    from kvpersist.serving.request_keys import request_salt
+
+    digest = "5" * 64
+    store = KvFileStore(root, 10**9)
+    store.open(background_scan=False)
+    for i, salt in enumerate([request_salt("", digest), request_salt("team", digest),
+                              request_salt("", "6" * 64)]):
+        store.put(KeyFields(f"org/m0/{NS[0]}", 0x01000100, 0, bytes([9, i]) * 16, salt),
+                  b"x" * PAYLOAD)
+    store.close()
+    record_adapter(root, digest, "support-bot", "/srv/lora/support")
+    record_adapter(root, digest, "support-bot-v1", "/srv/lora/support")  # same content
+    code, out, _ = run(capsys, "report", "--json")
+    rows = {r["namespace"]: r for r in json.loads(out)["namespaces"]}
+    assert code == 0
+    assert rows[NS[0]]["lora_adapters"] == {
+        "5" * 12: {"names": ["support-bot", "support-bot-v1"], "files": 2, "bytes": 2 * FILE},
+        "6" * 12: {"names": [], "files": 1, "bytes": FILE}}
+    assert rows[NS[1]]["lora_adapters"] == {}
+    code, out, _ = run(capsys, "report")
+    assert f"LoRA adapter {'5' * 12} (support-bot, support-bot-v1): 2 files" in out

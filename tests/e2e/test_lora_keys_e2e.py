@@ -4,12 +4,17 @@ Real processes: the LMCache MP server with kvpersist's L2, and vLLM (CPU) servin
 with two random adapters that change K and V (``--enable-lora``), vLLM's own prefix cache off so
 that every repeat is an LMCache lookup.  The first engine computes each of adapter a, adapter b
 and the base model cold (``cached_tokens`` 0: none of them may hit another's KV) and then hits
-its own KV; after restarting both processes adapter a's chat comes back from L2 bit-identical.
+its own KV; ``kvp-admin report`` names the adapter of each file; after restarting both processes
+adapter a's chat comes back from L2 bit-identical.
 The probe can fail: the two adapters' cold answers differ from each other and from the base's.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +72,13 @@ def test_adapters_never_share_kv_and_come_back_from_l2(
     salts = {name.split("@", 1)[1].removesuffix(".kvp") for name in files if "@" in name}
     assert len(salts) == 2 and all(s.startswith(RESERVED_PREFIX + "lora") for s in salts)
     assert sum("@" not in name for name in files) == full(prompt - 1) // CHUNK  # the base's
+    # kvp-admin says which adapter each namespace's files belong to
+    report = subprocess.run([sys.executable, "-m", "kvpersist.admin.cli", "report", "--json"],
+                            env={**os.environ, **server_env}, capture_output=True, text=True,
+                            timeout=60)
+    assert report.returncode == 0, report.stderr
+    (row,) = json.loads(report.stdout)["namespaces"]
+    assert sorted(a["names"] for a in row["lora_adapters"].values()) == [["a"], ["b"]]
     stop_server(settings)
 
     # both processes restarted: adapter a's chat comes back from L2, bit-identical

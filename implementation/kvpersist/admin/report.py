@@ -6,9 +6,14 @@ namespaces are active.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import numpy as np
+
+from ..identity.adapter_records import TAG_LEN, adapter_names
 from ..l2.inventory import Inventory
+from ..l2.layout import split_model_name
 from ..serving.lmcache_compat import status as server_status
 from .budget import BudgetModel, over_quota
 from .rank_coverage import RankCoverage, rank_coverage
@@ -22,11 +27,34 @@ def active_namespaces_from_server(http_url: str, timeout: float = 5.0) -> set[st
     return set(server_status.registered_namespaces(body))
 
 
+_ADAPTER_SALT = re.compile(rb"@kvpk-lora([0-9a-f]{%d})-" % TAG_LEN)
+
+
+def adapter_usage(inv: Inventory) -> dict[str, dict[str, dict[str, Any]]]:
+    """namespace -> adapter tag -> files, bytes and the names the adapter was recorded under,
+    for the live files whose salt a LoRA adapter derived (``kvpk-lora<tag>-…``)."""
+    names = adapter_names(inv.root)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for match in _ADAPTER_SALT.finditer(inv.names):
+        row = int(np.searchsorted(inv.name_end, match.start(), side="right"))
+        model = int(inv.model_idx[row])
+        if model < 0:
+            continue
+        ns = split_model_name(inv.model_names[model])[0] or "(no namespace)"
+        tag = match.group(1).decode()
+        entry = out.setdefault(ns, {}).setdefault(
+            tag, {"names": names.get(tag, []), "files": 0, "bytes": 0})
+        entry["files"] += 1
+        entry["bytes"] += int(inv.size[row])
+    return out
+
+
 def build_report(inv: Inventory, budget: BudgetModel, quotas: dict[str, int],
                  active: set[str]) -> dict[str, Any]:
     usage = inv.namespaces()
     over = over_quota({ns: u.bytes for ns, u in usage.items()}, quotas)
     coverage = rank_coverage(inv)
+    adapters = adapter_usage(inv)
     rows = []
     for ns in sorted(usage, key=lambda n: -usage[n].bytes):
         u = usage[ns]
@@ -41,6 +69,7 @@ def build_report(inv: Inventory, budget: BudgetModel, quotas: dict[str, int],
             "ranks": coverage.get(ns, RankCoverage()).as_dict(),
             "quota_bytes": quotas.get(ns),
             "over_quota_bytes": over.get(ns, 0),
+            "lora_adapters": adapters.get(ns, {}),
         })
     classes = {c: {"files": n, "bytes": b} for c, (n, b) in inv.by_class().items()}
     return {

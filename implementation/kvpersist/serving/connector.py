@@ -48,9 +48,11 @@ from __future__ import annotations
 
 import abc
 import copy
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
@@ -64,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..config.client import ConnectorOptions
 from ..identity import CacheIdentity
+from ..identity.adapter_records import record_adapter
 from .connector_metrics import KvPersistConnectorStats, KvPersistPromMetrics
 from .gate import AttachLate, Bypass, CacheOn, Closed, decide, record_identity
 from .lmcache_compat import adapters as lmcache_adapters
@@ -175,7 +178,8 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
             self.kvp_scheduler = SchedulerSide(
                 self, options, identity, self.kvp_stats, attach_late=attach_late,
                 workers=int(vllm_config.parallel_config.world_size),
-                keys=RequestKeys(lora_settings(vllm_config)))
+                keys=RequestKeys(lora_settings(vllm_config),
+                                 on_keyed=functools.partial(_record_adapter, options)))
             # every tracker LMCache creates is keyed before LMCache uses it
             lmcache_adapters.key_new_trackers(self, self.kvp_scheduler.key_tracker)
         else:
@@ -338,6 +342,18 @@ def _record_identity(role: KVConnectorRole, options: ConnectorOptions,
         recorded = record_identity(options, identity)
         if isinstance(recorded, str):
             logger.warning("kvpersist: %s", recorded)
+
+
+def _record_adapter(options: ConnectorOptions, digest: str, name: str, folder: str) -> None:
+    """The scheduler records each adapter it keys under a local cache root (for reports)."""
+    root = options.cache_root
+    if root is None or not Path(root).is_dir():
+        return
+    try:
+        record_adapter(root, digest, name, folder)
+    except (OSError, ValueError) as exc:
+        logger.warning("kvpersist: could not record LoRA adapter %r under %s: %s",
+                       name, root, exc)
 
 
 def with_suppressed_errors(call: Callable[[], object]) -> None:

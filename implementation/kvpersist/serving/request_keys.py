@@ -32,7 +32,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,8 +109,11 @@ class _Adapter:
 class RequestKeys:
     """The salts of one engine's requests (see module invariants); lives in the scheduler."""
 
-    def __init__(self, lora_settings: Mapping[str, Any] | None) -> None:
+    def __init__(self, lora_settings: Mapping[str, Any] | None,
+                 on_keyed: Callable[[str, str, str], None] | None = None) -> None:
+        """``on_keyed(digest, name, folder)`` runs once per adapter this engine keys."""
         self._lora_settings = dict(lora_settings or {})
+        self._on_keyed = on_keyed
         self._adapters: dict[tuple[int, str, str], _Adapter] = {}
         self._logged: set[tuple[int, str, str]] = set()
 
@@ -145,6 +148,8 @@ class RequestKeys:
                 self._adapters[ident] = known
                 logger.info("kvpersist: LoRA adapter %r (%s) keyed by content digest %s",
                             ident[1], folder, known.digest)
+                if self._on_keyed is not None and known.digest is not None:
+                    self._on_keyed(known.digest, ident[1], str(folder))
             elif known.signature != signature:
                 known.changed = True
         except OSError as exc:

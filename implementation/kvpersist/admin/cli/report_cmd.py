@@ -71,6 +71,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(table(rows, ("namespace", "model id", "files", "files per rank", "GiB", "budget",
                         "last access", "state", "quota GiB", "quota")))
     for r in data["namespaces"]:
+        for tag, a in r["lora_adapters"].items():
+            named = ", ".join(a["names"]) or "no adapter record"
+            print(f"namespace {r['namespace']}: LoRA adapter {tag} ({named}): {a['files']} "
+                  f"files, {gib(a['bytes'])} GiB")
+    for r in data["namespaces"]:
         cov = r["ranks"]
         if not cov["complete"]:
             missing = ", ".join(f"rank {k}: {v}" for k, v in cov["missing_per_rank"].items())
