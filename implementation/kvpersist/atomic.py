@@ -59,6 +59,19 @@ def write_text_atomic(path: str | Path, text: str, *, mode: int = 0o600) -> None
     write_atomic(path, text.encode("utf-8"), mode=mode)
 
 
+def write_record_text(path: Path, text: str) -> Path:
+    """Write a small metadata record atomically into its (0700) folder, only when its content
+    changes; returns ``path``."""
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return path
+    except OSError:
+        pass
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    write_text_atomic(path, text)
+    return path
+
+
 def _write_all(fd: int, data: Chunk) -> None:
     view = memoryview(data).cast("B")
     while view.nbytes:

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_text_atomic
+from ..atomic import write_record_text
 
 ADAPTERS_DIR = "adapters"
 TAG_LEN = 12
@@ -37,16 +37,9 @@ def record_adapter(root: str | Path, digest: str, name: str, folder: str) -> Pat
     known = read_adapter(path) or {"digest": digest, "names": [], "folders": []}
     names = sorted({*known["names"], name})
     folders = sorted({*known["folders"], folder})
-    body = json.dumps({"tag": digest[:TAG_LEN], "digest": digest, "names": names,
-                       "folders": folders}, indent=2, sort_keys=True) + "\n"
-    try:
-        if path.read_text(encoding="utf-8") == body:
-            return path
-    except OSError:
-        pass
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    write_text_atomic(path, body)
-    return path
+    return write_record_text(path, json.dumps(
+        {"tag": digest[:TAG_LEN], "digest": digest, "names": names, "folders": folders},
+        indent=2, sort_keys=True) + "\n")
 
 
 def read_adapter(path: Path) -> dict[str, Any] | None:

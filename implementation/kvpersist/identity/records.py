@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from ..atomic import write_text_atomic
+from ..atomic import write_record_text
 from .fields import NAMESPACE_RE, CacheIdentity, IdentityError
 
 RECORDS_DIR = "namespaces"
@@ -42,16 +42,7 @@ def record_body(identity: CacheIdentity) -> str:
 
 def write_record(root: str | Path, identity: CacheIdentity) -> Path:
     """Record ``identity`` under ``root`` (which must exist); returns the record's path."""
-    path = record_path(root, identity.namespace)
-    body = record_body(identity)
-    try:
-        if path.read_text(encoding="utf-8") == body:
-            return path
-    except OSError:
-        pass
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    write_text_atomic(path, body)
-    return path
+    return write_record_text(record_path(root, identity.namespace), record_body(identity))
 
 
 def read_record(root: str | Path, namespace: str) -> CacheIdentity:
