@@ -58,6 +58,8 @@ def test_adapters_never_share_kv_and_come_back_from_l2(
             wait_for_l2_files(settings.cache_root, stored * (cold[model].prompt_tokens // CHUNK))
         prompt = cold["a"].prompt_tokens
         assert prompt >= 3 * CHUNK
+        for model, result in cold.items():  # shown with -s: the probe's three cold answers
+            print(f"cold {model}: {result.text!r} first logprobs {result.logprobs[:2]}")
         # the probe can fail: the three computations give different answers
         assert cold["a"].logprobs != cold["b"].logprobs
         assert cold["a"].logprobs != cold["tiny"].logprobs

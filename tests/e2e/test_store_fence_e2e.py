@@ -92,7 +92,6 @@ def test_a_preempted_request_s_store_is_read_before_its_blocks_are_reused(
     log = tmp_path / "vllm-small.log"
     vllm = VllmProcess(tiny_model, pins, log, vllm_env, max_model_len=MAX_LEN,
                        extra_args=["--num-gpu-blocks-override", str(BLOCKS),
-                                   "--max-num-batched-tokens", "2048",
                                    "--no-enable-prefix-caching"])
     replies: dict[str, dict[str, Any]] = {}
     try:
