@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from ..identity.adapter_records import TAG_LEN, adapter_names
+from ..identity.adapter_records import adapter_names
 from ..l2.inventory import Inventory
 from ..l2.layout import split_model_name
 from ..serving.lmcache_compat import status as server_status
+from ..serving.request_keys import ADAPTER_SALT
 from .budget import BudgetModel, over_quota
 from .rank_coverage import RankCoverage, rank_coverage
 
@@ -27,7 +28,8 @@ def active_namespaces_from_server(http_url: str, timeout: float = 5.0) -> set[st
     return set(server_status.registered_namespaces(body))
 
 
-_ADAPTER_SALT = re.compile(rb"@kvpk-lora([0-9a-f]{%d})-" % TAG_LEN)
+#: A file name's salt part that a LoRA adapter derived (``@`` then the request keys' format).
+_ADAPTER_SALT = re.compile(b"@" + ADAPTER_SALT.pattern.encode("ascii"))
 
 
 def adapter_usage(inv: Inventory) -> dict[str, dict[str, dict[str, Any]]]:

@@ -482,7 +482,6 @@ class KvFileStore:
     def quarantine_key(self, key: KeyFields, reason: str, detail: str) -> None:
         """Quarantine ``key``'s file, which passed its own checks but whose payload a layer above
         refused (an encrypted chunk whose tag fails under its key): it is not read again."""
-        self.stats.add(loads=0)
         self._quarantine(self.path_for(key), key, reason, detail)
 
     def _quarantine(self, path: Path, key: KeyFields, reason: str, detail: str) -> None:

@@ -32,10 +32,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..identity.adapter_records import TAG_LEN
+from ..identity.engine_fields import ENGINE_FIELDS, PerRequest
 
 logger = logging.getLogger("vllm.kvpersist.connector")
 
@@ -43,6 +47,9 @@ logger = logging.getLogger("vllm.kvpersist.connector")
 RESERVED_PREFIX = "kvpk-"
 #: The tag of a derived salt without an adapter (a user salt with the reserved prefix).
 NO_ADAPTER_TAG = "base"
+#: A derived salt with an adapter: ``kvpk-lora<first TAG_LEN hex of its digest>-<32 hex>``; the
+#: one statement of that format (``kvp-admin report`` matches file names with it).
+ADAPTER_SALT = re.compile(re.escape(RESERVED_PREFIX) + rf"lora([0-9a-f]{{{TAG_LEN}}})-")
 _DOMAIN = "kvpersist-request-key-v1"
 _READ_BLOCK = 1 << 20
 
@@ -63,15 +70,14 @@ def request_salt(user_salt: str, adapter_digest: str | None) -> str:
         return user_salt
     payload = json.dumps([_DOMAIN, user_salt, adapter_digest], ensure_ascii=True)
     digest = hashlib.sha256(payload.encode("ascii")).hexdigest()[:32]
-    tag = NO_ADAPTER_TAG if adapter_digest is None else f"lora{adapter_digest[:12]}"
+    tag = NO_ADAPTER_TAG if adapter_digest is None else f"lora{adapter_digest[:TAG_LEN]}"
     return f"{RESERVED_PREFIX}{tag}-{digest}"
 
 
 def adapter_tag_of_salt(salt: str) -> str | None:
-    """The 12-hex adapter tag a derived salt carries (for reports), or None."""
-    if not salt.startswith(RESERVED_PREFIX + "lora"):
-        return None
-    return salt[len(RESERVED_PREFIX) + 4:].split("-", 1)[0] or None
+    """The adapter tag a derived salt carries (for reports), or None."""
+    match = ADAPTER_SALT.match(salt)
+    return match.group(1) if match else None
 
 
 def folder_signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
@@ -101,7 +107,7 @@ def adapter_digest(folder: Path, settings: Mapping[str, Any]) -> str:
 
 @dataclass
 class _Adapter:
-    digest: str | None
+    digest: str
     signature: tuple[tuple[str, int, int], ...]
     changed: bool = False
 
@@ -148,14 +154,14 @@ class RequestKeys:
                 self._adapters[ident] = known
                 logger.info("kvpersist: LoRA adapter %r (%s) keyed by content digest %s",
                             ident[1], folder, known.digest)
-                if self._on_keyed is not None and known.digest is not None:
+                if self._on_keyed is not None:
                     self._on_keyed(known.digest, ident[1], str(folder))
             elif known.signature != signature:
                 known.changed = True
         except OSError as exc:
             return self._uncacheable(ident, "lora_unreadable",
                                      f"LoRA adapter {ident[1]!r} cannot be read: {exc}")
-        if known.changed or known.digest is None:
+        if known.changed:
             return self._uncacheable(ident, "lora_changed",
                                      f"LoRA adapter {ident[1]!r} changed on disk after this "
                                      "engine keyed it; its requests are not cached until the "
@@ -173,8 +179,6 @@ class RequestKeys:
 def lora_settings(vllm_config: Any) -> dict[str, Any]:
     """The engine's LoRA settings that change an adapter's computation: the ``lora_config``
     fields the classification marks per-request (:mod:`kvpersist.identity.engine_fields`)."""
-    from ..identity.engine_fields import ENGINE_FIELDS, PerRequest
-
     lora_config = getattr(vllm_config, "lora_config", None)
     if lora_config is None:
         return {}

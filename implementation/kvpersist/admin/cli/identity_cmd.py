@@ -27,7 +27,6 @@ from ...identity.sources import (
     build_identity,
     chat_template_digest,
     from_model_folder,
-    resolved_kv_cache_dtype,
 )
 from ..pins_writer import (
     IdentityFlags,
@@ -63,15 +62,6 @@ class CliResolution:
     chat_template_text: str | None
 
 
-def _kv_cache_dtype(flags: IdentityFlags) -> str:
-    """The KV-cache dtype the flags give, by
-    :func:`~kvpersist.identity.sources.resolved_kv_cache_dtype` against ``--dtype``; ``auto``
-    when neither says (then the weights' dtype from config.json decides)."""
-    given = None if flags.kv_cache_dtype in (None, "auto") else str(flags.kv_cache_dtype)
-    model = None if flags.dtype is None else str(flags.dtype)
-    return resolved_kv_cache_dtype(given, model) or "auto"
-
-
 def engine_flags(args: argparse.Namespace) -> IdentityFlags:
     """The recipe's flags (``--vllm-args``), each replaced by the same flag given explicitly."""
     recipe = identity_flags(args.vllm_args) if args.vllm_args else IdentityFlags()
@@ -90,7 +80,7 @@ def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
     live: dict[str, object] = {}
     if folder:
         live.update(from_model_folder(
-            folder, kv_cache_dtype=_kv_cache_dtype(flags), dtype=flags.dtype or "auto",
+            folder, kv_cache_dtype=flags.kv_cache_dtype or "auto", dtype=flags.dtype or "auto",
             quantization=flags.quantization, hf_overrides=hf_overrides_of(flags)))
     template_text = None
     if flags.chat_template:

@@ -161,7 +161,7 @@ def mark_bypassed(connector: Any, request: Any) -> Any | None:
     Returns the tracker as it was (for releasing the lookup), or None if it already bypassed."""
     from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestState
 
-    tracker = connector._get_or_create_request_tracker(request)
+    tracker = tracker_of(connector, request)
     if tracker.state == LMCacheMPRequestState.BYPASS_LMCACHE:
         return None
     return tracker
