@@ -229,3 +229,26 @@ def test_the_gate_closes_when_an_exactness_patch_does_not_match_lmcache(
         monkeypatch.undo()
         pins.available.cache_clear()
     assert KvPersistConnector(cfg, KVConnectorRole.SCHEDULER).caching  # the control: pins back
+
+
+def test_an_engine_setting_nobody_classified_closes_the_gate(
+        tiny_model: Path, settings: ServerSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a vLLM that added a configuration field: the engine serves uncached, naming it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpersist.identity import engine_fields
+    from kvpersist.serving.connector import KvPersistConnector
+    from kvpersist.serving.lmcache_compat import engine_config as classified
+
+    start_server(settings)
+    cfg = engine_config(tiny_model, TINY_PINS, settings)
+    monkeypatch.delitem(engine_fields.ENGINE_FIELDS, "cache_config.cache_dtype")
+    classified.unknown_fields_reason.cache_clear()
+    try:
+        conn = KvPersistConnector(cfg, KVConnectorRole.SCHEDULER)
+        assert not conn.caching
+        assert "never classified (cache_config.cache_dtype)" in str(conn.disabled_reason)
+    finally:
+        monkeypatch.undo()
+        classified.unknown_fields_reason.cache_clear()
+    assert KvPersistConnector(cfg, KVConnectorRole.SCHEDULER).caching  # the control

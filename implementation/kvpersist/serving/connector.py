@@ -70,6 +70,7 @@ from ..identity.adapter_records import record_adapter
 from .connector_metrics import KvPersistConnectorStats, KvPersistPromMetrics
 from .gate import AttachLate, Bypass, CacheOn, Closed, decide, record_identity
 from .lmcache_compat import adapters as lmcache_adapters
+from .lmcache_compat import engine_config
 from .lmcache_compat import pins as lmcache_pins
 from .request_keys import RequestKeys, lora_settings
 from .scheduler_side import SchedulerSide
@@ -242,6 +243,9 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         decision = decide(vllm_config)
         if isinstance(decision, (CacheOn, AttachLate)):
             unsafe = lmcache_pins.unsafe_reasons()
+            unknown = engine_config.unknown_fields_reason()
+            if unknown is not None:
+                unsafe.append(unknown)
             if isinstance(decision, AttachLate) and not lmcache_pins.available("late_attach"):
                 unsafe.append("the LMCache server does not answer at start, and kvpersist's "
                               "late attach does not match the installed LMCache")

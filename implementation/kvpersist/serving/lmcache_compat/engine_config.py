@@ -1,14 +1,21 @@
 """The installed vLLM's engine configuration, field by field, against kvpersist's classification
 (:mod:`kvpersist.identity.engine_fields`): the contract that no field goes unclassified.
 
-Invariant: every field name is spelled as the classification spells it
-(``<VllmConfig field>.<sub-config field>``, a top-level field by its own name, and the fields of
-the nested configs in :data:`NESTED`).
+Invariants
+----------
+* Every field name is spelled as the classification spells it (``<VllmConfig field>.<sub-config
+  field>``, a top-level field by its own name, and the fields of the nested configs in
+  :data:`NESTED`).
+* A field the table does not know turns caching off in the engine that has it
+  (:func:`unknown_fields_reason`, asked by the connector before its gate opens): the tests catch
+  it in this repository, and an installation on a vLLM they never ran against serves uncached
+  rather than with a knob nobody decided.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import typing
 from collections.abc import Iterator
@@ -61,3 +68,16 @@ def stale_entries() -> list[str]:
     return [name for name in ENGINE_FIELDS if name not in present]
 
 
+
+
+@functools.cache
+def unknown_fields_reason() -> str | None:
+    """Why caching must stay off in this process because the installed vLLM has configuration
+    fields kvpersist never classified (each named, at most ten), or None.  Asked once."""
+    unknown = unclassified()
+    if not unknown:
+        return None
+    shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10
+                                       else "")
+    return (f"the installed vLLM has engine settings kvpersist never classified ({shown}): "
+            "whether they change the KV is unknown")
