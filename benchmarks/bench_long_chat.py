@@ -96,7 +96,8 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
                                  "l2_direct_io": settings.l2_direct_io,
                                  "kv_bytes_per_token": geometry.kv_bytes_per_token}
     shm_before = shm_segments()
-    vllm = VllmProcess(model, pins, work / "vllm-1.log", env, max_model_len=max_len)
+    vllm = VllmProcess(model, pins, work / "vllm-1.log", env, max_model_len=max_len,
+                       compile=True)
     try:
         start_server(settings)
         vllm.start(timeout=1800)
@@ -113,7 +114,8 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
             """Start the (stopped) server under the current ``settings`` and a new vLLM, drop
             the page cache, restore the chat: (the vLLM, its answer, the adapter's status)."""
             start_server(settings)
-            started = VllmProcess(model, pins, work / log, vllm_env, max_model_len=max_len)
+            started = VllmProcess(model, pins, work / log, vllm_env, max_model_len=max_len,
+                                  compile=True)
             started.start(timeout=1800)
             drop_caches()
             answer = chat(started.base_url, messages, timeout=7200)

@@ -68,7 +68,7 @@ def run_setting(model: Path, tmp: Path, nice: int, rounds: int) -> list[dict[str
             stop_server(settings)
             start_server(settings)
             log = tmp / f"vllm-{i}.log"
-            vllm = VllmProcess(model, pins, log, vllm_env, extra_args=extra)
+            vllm = VllmProcess(model, pins, log, vllm_env, extra_args=extra, compile=True)
             gap_file = tmp / f"canary-{i}"
             canary = subprocess.Popen([sys.executable, "-c", CANARY, str(gap_file)],
                                       start_new_session=True)

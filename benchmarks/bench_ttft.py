@@ -58,7 +58,7 @@ def run_adapter(adapter: str, model: Path, pins: Path, work: Path, messages: lis
     env["VLLM_CPU_KVCACHE_SPACE"] = "4"  # GiB of vLLM's own KV cache on CPU
     out: dict[str, float] = {}
     vllm = VllmProcess(model, pins, work / f"vllm-{adapter}-{max_len}-1.log", env,
-                       max_model_len=max_len)
+                       max_model_len=max_len, compile=True)
     try:
         start_server(settings)
         vllm.start(timeout=1800)
@@ -70,7 +70,7 @@ def run_adapter(adapter: str, model: Path, pins: Path, work: Path, messages: lis
         stop_server(settings)
         start_server(settings)
         vllm = VllmProcess(model, pins, work / f"vllm-{adapter}-{max_len}-2.log", env,
-                           max_model_len=max_len)
+                           max_model_len=max_len, compile=True)
         vllm.start(timeout=1800)
         drop_caches()
         out[f"{adapter} L2 after restart"], _ = ttft(vllm, messages)
@@ -97,7 +97,8 @@ def run_offloading(model: Path, work: Path, messages: list[dict[str, str]], max_
     for n in (1, 2):
         vllm = VllmProcess(model, Path("/dev/null"), work / f"vllm-offloading-{max_len}-{n}.log",
                            {"VLLM_CPU_KVCACHE_SPACE": "4"}, kv_persist=False,
-                           max_model_len=max_len, extra_args=["--kv-transfer-config", ktc])
+                           max_model_len=max_len, extra_args=["--kv-transfer-config", ktc],
+                           compile=True)
         try:
             vllm.start(timeout=1800)
             if n == 1:

@@ -56,3 +56,38 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _weight(item: pytest.Item) -> int:
+    """0 for end-to-end tests (minutes each), 1 for tests with a server process, 2 for the rest."""
+    if item.get_closest_marker("e2e"):
+        return 0
+    return 1 if item.get_closest_marker("integration") else 2
+
+
+#: Test folders whose files must never run at the same time as each other (one machine-wide
+#: daemon: every GlusterFS module starts its own glusterd on 127.0.0.2:24007).
+SHARED_DAEMON_FOLDERS = {"shared": "glusterd"}
+
+
+def _group(item: pytest.Item) -> str:
+    folder = item.path.parent.name
+    return SHARED_DAEMON_FOLDERS.get(folder, item.nodeid.split("::")[0])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group by file and put the heaviest files first.
+
+    The two-worker pass (``--dist loadgroup``, :file:`scripts/test.sh`) runs each group on one
+    worker, so a file's module-scoped stack is built once and its tests keep their order; the
+    files of a machine-wide daemon form one group.  Groups are handed out in this order, and the
+    run ends sooner when the long files start first than when one is left for last."""
+    first_index: dict[str, int] = {}
+    weight: dict[str, int] = {}
+    for i, item in enumerate(items):
+        group = _group(item)
+        first_index.setdefault(group, i)
+        weight[group] = min(weight.get(group, 2), _weight(item))
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda it: (weight[_group(it)], first_index[_group(it)]))

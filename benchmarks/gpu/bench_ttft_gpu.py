@@ -90,7 +90,7 @@ def run_adapter(adapter: str, model: Path, pins: Path, recipe: list[str], work: 
         for phase in ("cold", "after restart"):
             start_server(settings)
             vllm = VllmProcess(model, pins, work / f"vllm-{adapter}-{phase[0]}.log", env,
-                               extra_args=recipe[1:], max_model_len=int(recipe[
+                               extra_args=recipe[1:], compile=True, max_model_len=int(recipe[
                                    recipe.index("--max-model-len") + 1]))
             began = time.monotonic()
             vllm.start(timeout=900)

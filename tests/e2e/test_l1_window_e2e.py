@@ -1,8 +1,12 @@
 """A conversation whose KV is several times L1 comes back in full from L2, through real vLLM
-and a real LMCache server, after restarting both with the page cache dropped: it streams
-through L1 (:mod:`kvpersist.serving.lmcache_compat.l1_streaming`).  On the same restarted stack: a busy L1
-(clean objects evicted on demand), two long restores at once, and a corrupt file in the middle
-of a streamed restore.
+and a real LMCache server, after restarting both with the cache files' pages evicted: it
+streams through L1 (:mod:`kvpersist.serving.lmcache_compat.l1_streaming`).  On the same
+restarted stack: a busy L1 (clean objects evicted on demand), two long restores at once, and a
+corrupt file in the middle of a streamed restore.
+
+Cold is the cache files' pages evicted (:func:`kvpersist.testing.slow_disk.evict_page_cache`),
+which is what a cold restore reads; a drop of the whole machine's page cache would stall every
+process beside the test for seconds, other tests' included.
 
 The model has 64 KiB of KV per token (16 MiB per 256-token chunk); L1 is 0.05 GB (3
 chunks); each conversation is 13 full chunks (208 MiB, 4x L1).  Exactness is bit-identical
@@ -11,9 +15,7 @@ tokens and logprobs against the cold run."""
 from __future__ import annotations
 
 import functools
-import os
 import re
-import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from kvpersist.testing.helpers import (
     wait_for_l2_files,
     wait_for_stored_chat,
 )
+from kvpersist.testing.slow_disk import evict_page_cache
 
 pytestmark = pytest.mark.e2e
 L1_GB = "0.05"
@@ -53,11 +56,6 @@ class Stack:
     files: dict[str, list[Path]] = field(default_factory=dict)
 
 
-def drop_page_cache() -> None:
-    subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
 def server_counter(settings: ServerSettings, name: str, **labels: str) -> float:
     text = http.get(settings.http_url + "/metrics", timeout=10).body.decode()
     total = 0.0
@@ -71,8 +69,6 @@ def server_counter(settings: ServerSettings, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, wide_kv_model: Path) -> Iterator[Stack]:
-    if os.geteuid() != 0:
-        pytest.skip("dropping the page cache needs root")
     tmp = tmp_path_factory.mktemp("l1-window")
     model = wide_kv_model
     pins = pins_for_model(model, tmp / "wide.env", max_model_len=MAX_LEN)
@@ -100,7 +96,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, wide_kv_model: Path) -> Iter
             assert len(files[topic]) == 13
         vllm.stop()
         stop_server(settings)
-        drop_page_cache()
+        assert evict_page_cache(settings.cache_root) >= len(TOPICS) * 13
         start_server(settings)
         vllm = VllmProcess(model, pins, tmp / "vllm-2.log", env, max_model_len=MAX_LEN)
         vllm.start()

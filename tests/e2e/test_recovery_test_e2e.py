@@ -22,7 +22,8 @@ from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing import slow_disk
 from kvpersist.testing.helpers import TINY_PINS, server_env
 
-pytestmark = pytest.mark.e2e
+# serial: kvp-admin recovery-test drops the whole page cache
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 TIMING_CHECKS = {"TTFT dropped"}
 
 

@@ -76,7 +76,9 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
     marker = f"kvp-secret-{uuid.uuid4().hex[:16]}"
     messages = long_conversation(800)
     messages[0]["content"] += f" Case {marker}."
-    vllm = VllmProcess(tiny_model, TINY_PINS, tmp_path / "vllm.log", server_env)
+    # vLLM's default compilation (the other end-to-end tests run eagerly): the one that
+    # production runs restores into a compiled model identically too.
+    vllm = VllmProcess(tiny_model, TINY_PINS, tmp_path / "vllm.log", server_env, compile=True)
     namespace = expected_namespace(tiny_model, TINY_PINS, block_size=128, tensor_parallel_size=1,
                                    pipeline_parallel_size=1)
     prefix = f"{sanitize_model_name('kvpersist/tiny-llama')}--{namespace}_"
@@ -118,7 +120,8 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
                                            max_model_len=1024)
         assert new_namespace != namespace
         vllm_changed = VllmProcess(tiny_model, changed_pins, tmp_path / "vllm-changed.log",
-                                   server_env, extra_args=["--max-model-len", "1024"])
+                                   server_env, extra_args=["--max-model-len", "1024"],
+                                   compile=True)
         vllm = vllm_changed
         vllm.start()
         third = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)

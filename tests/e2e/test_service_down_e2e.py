@@ -20,7 +20,8 @@ from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing.helpers import TINY_PINS, wait_until
 from kvpersist.testing.processes import kill_server
 
-pytestmark = pytest.mark.e2e
+# serial: bounds a request's latency while the server is down
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 LOOKUP_DEADLINE_S = 5.0
 RESUME_BOUND_S = 45.0  # the first request after the server returns (re-registration included)
 # LMCache's lines in vLLM's log: a heartbeat (the scheduler's, the one worker's) healthy again,

@@ -210,6 +210,7 @@ def test_the_c_loop_grows_its_segments_while_reads_are_fast(tmp_path: Path) -> N
     assert bytes(out) == path.read_bytes()
 
 
+@pytest.mark.serial  # a busy-wait must see a count mid-read
 @needs_c
 def test_the_c_loop_counts_each_segment_while_the_read_goes_on(tmp_path: Path) -> None:
     # The GIL is released for the whole range, so another thread sees the count between the

@@ -70,6 +70,7 @@ def test_an_account_without_cap_sys_nice_is_told_what_grants_it() -> None:
     assert "needs CAP_SYS_NICE" in res.stdout and "KVP_SERVER_NICE=0" in res.stdout
 
 
+@pytest.mark.serial  # a server at raised priority starves the other worker
 @pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root here")
 def test_every_thread_of_a_started_server_runs_at_the_configured_nice(tmp_path: Path) -> None:
     settings = load_settings(server_env(tmp_path / "cache", KVP_SERVER_NICE="-7"))

@@ -88,6 +88,7 @@ def test_lost_output_is_reported_once_writes_succeed_again(tmp_path: Path,
         "kept"]
 
 
+@pytest.mark.serial  # drops the whole page cache and bounds /status answers to 2 s
 @pytest.mark.integration
 @pytest.mark.skipif(slow_disk.unavailable() is not None,
                     reason=f"no slow disk here: {slow_disk.unavailable()}")

@@ -178,6 +178,7 @@ def status_server() -> Iterator[tuple[str, dict[str, Any]]]:
         server.shutdown()
 
 
+@pytest.mark.serial  # the probe's 0.5 s timeout needs a core
 def test_the_probe_sees_progress_and_its_absence(status_server: tuple[str, dict[str, Any]]
                                                  ) -> None:
     url, state = status_server

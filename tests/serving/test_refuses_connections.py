@@ -7,10 +7,13 @@ import socket
 import urllib.parse
 from pathlib import Path
 
+import pytest
+
 from kvpersist.demo.stack import free_port
 from kvpersist.serving.http import UNIX_SCHEME, refuses_connections
 
 
+@pytest.mark.serial  # a free port must stay free until the test binds it
 def test_tcp_listener_and_none() -> None:
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

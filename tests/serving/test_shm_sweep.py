@@ -41,6 +41,7 @@ def test_only_dead_workers_segments_of_this_account_go(tmp_path: Path) -> None:
     assert sweep_stale_segments(tmp_path / "missing").segments == 0
 
 
+@pytest.mark.serial  # /dev/shm is machine-wide: another test's sweep could remove the segment first
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
 def test_a_real_posix_segment_of_a_dead_worker_is_removed() -> None:
     """A segment made through shm_open (as LMCache's CPU transport makes it), named for a worker

@@ -86,7 +86,7 @@ def run_demo(work: Path, cache_root: Path, *, tokens: int, keep: bool) -> int:
     messages = long_conversation(tokens)
     answers: list[ChatResult] = []
     hits_vllm = hits_l2 = 0.0
-    vllm = VllmProcess(model_dir, PINS, work / "vllm.log", server_env)
+    vllm = VllmProcess(model_dir, PINS, work / "vllm.log", server_env, compile=True)
     try:
         for round_no in (1, 2):
             res = start_server(settings)

@@ -42,9 +42,19 @@ def long_conversation(target_tokens: int = 900, topic: str = "the persistent KV 
     return messages
 
 
+#: vLLM's compilation level "none": the model runs eagerly.  A start then skips torch.compile
+#: (on 2 cores the compile, or the load of a cached graph, is a quarter of a start); the KV the
+#: engine computes is the same kind of KV, and cold and warm runs within one engine compare
+#: bit for bit as before.  Tests whose subject is the compiled model pass ``compile=True``.
+EAGER_ARGS = ("--compilation-config", '{"mode": 0}')
+
+
 @dataclass
 class VllmProcess(VllmServer):
-    """vLLM's OpenAI server for the tiny ``model_dir``, started through our launcher."""
+    """vLLM's OpenAI server for the tiny ``model_dir``, started through our launcher.
+
+    ``compile=False`` (the default for tests and the demo's checks) runs the model eagerly
+    (:data:`EAGER_ARGS`); every engine a test compares must use the same setting."""
 
     model_dir: Path = Path()
     pins: Path = Path()
@@ -52,14 +62,16 @@ class VllmProcess(VllmServer):
     extra_args: list[str] = field(default_factory=list)
     kv_persist: bool = True
     max_model_len: int = 2048
+    compile: bool = False
 
     def __init__(self, model_dir: Path, pins: Path, log_path: Path, server_env: dict[str, str],
                  *, extra_args: list[str] | None = None, kv_persist: bool = True,
-                 max_model_len: int = 2048, port: int | None = None) -> None:
+                 max_model_len: int = 2048, port: int | None = None,
+                 compile: bool = False) -> None:
         super().__init__(log_path, port if port is not None else free_port())
         self.model_dir, self.pins, self.server_env = model_dir, pins, server_env
         self.extra_args = list(extra_args or [])
-        self.kv_persist, self.max_model_len = kv_persist, max_model_len
+        self.kv_persist, self.max_model_len, self.compile = kv_persist, max_model_len, compile
 
     def command(self) -> list[str]:
         return [*LAUNCHER, str(self.model_dir), "--host", "127.0.0.1",
@@ -68,7 +80,8 @@ class VllmProcess(VllmServer):
                 # Prefill in steps of one LMCache chunk: a cold request then computes the tail
                 # after the last full chunk exactly as a warm request (prefix loaded from L2)
                 # does, so the two give bit-identical logprobs, not merely close ones.
-                "--max-num-batched-tokens", str(PREFILL_STEP_TOKENS), *self.extra_args]
+                "--max-num-batched-tokens", str(PREFILL_STEP_TOKENS),
+                *(() if self.compile else EAGER_ARGS), *self.extra_args]
 
     def environment(self) -> dict[str, str]:
         env = process_env(None, **self.server_env)

@@ -38,6 +38,26 @@ def unavailable() -> str | None:
 drop_caches = drop_page_cache
 
 
+def evict_page_cache(top: Path) -> int:
+    """Write back and evict the page cache of every file under ``top`` (and nothing else);
+    returns how many files.  The next reads of them come from the device, while every
+    process's own code pages stay cached: a whole-cache drop (``echo 3``) on a small machine
+    makes every process fault its libraries back in for seconds, which stalls the processes
+    under test (seen: vLLM's scheduler held 5 s) and every other test running beside them."""
+    os.sync()
+    count = 0
+    for dirpath, _dirs, files in os.walk(top):
+        for name in files:
+            with contextlib.suppress(OSError):
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    count += 1
+                finally:
+                    os.close(fd)
+    return count
+
+
 @dataclass
 class SlowDisk:
     mount: Path
@@ -50,23 +70,9 @@ class SlowDisk:
         (self.cgroup / "cgroup.procs").write_text(f"{pid}\n")
 
     def evict_files(self) -> int:
-        """Write back and evict the page cache of every file on this disk (and nothing else);
-        returns how many files.  The next reads of them come from the slow device, while the
-        processes' own code pages stay cached: a whole-cache drop (``echo 3``) on a small
-        machine makes every process fault its libraries back in for seconds, which stalls
-        the processes under test (seen: vLLM's scheduler held 5 s), not the disk."""
-        os.sync()
-        count = 0
-        for dirpath, _dirs, files in os.walk(self.mount):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                        count += 1
-                    finally:
-                        os.close(fd)
-        return count
+        """Evict the page cache of every file on this disk (:func:`evict_page_cache`): the next
+        reads of them come from the slow device."""
+        return evict_page_cache(self.mount)
 
     def set_read_rate(self, bytes_per_s: int) -> None:
         """0 lifts the limit."""
