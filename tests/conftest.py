@@ -65,29 +65,19 @@ def _weight(item: pytest.Item) -> int:
     return 1 if item.get_closest_marker("integration") else 2
 
 
-#: Test folders whose files must never run at the same time as each other (one machine-wide
-#: daemon: every GlusterFS module starts its own glusterd on 127.0.0.2:24007).
-SHARED_DAEMON_FOLDERS = {"shared": "glusterd"}
-
-
-def _group(item: pytest.Item) -> str:
-    folder = item.path.parent.name
-    return SHARED_DAEMON_FOLDERS.get(folder, item.nodeid.split("::")[0])
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Group by file and put the heaviest files first.
+    """Heaviest files first, each file's tests kept together and in their order.
 
-    The two-worker pass (``--dist loadgroup``, :file:`scripts/test.sh`) runs each group on one
-    worker, so a file's module-scoped stack is built once and its tests keep their order; the
-    files of a machine-wide daemon form one group.  Groups are handed out in this order, and the
-    run ends sooner when the long files start first than when one is left for last."""
+    The two-worker pass (``--dist loadfile``, :file:`scripts/test.sh`) runs each file whole on
+    one worker (a module-scoped stack is built once, its tests keep their order) and hands the
+    files out in this order: the run ends sooner when the long files start first than when one
+    is left for last.  (The GlusterFS modules take turns through
+    :func:`kvpersist.testing.glusterfs.machine_turn`.)"""
     first_index: dict[str, int] = {}
     weight: dict[str, int] = {}
     for i, item in enumerate(items):
-        group = _group(item)
-        first_index.setdefault(group, i)
-        weight[group] = min(weight.get(group, 2), _weight(item))
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda it: (weight[_group(it)], first_index[_group(it)]))
+        path = str(item.path)
+        first_index.setdefault(path, i)
+        weight[path] = min(weight.get(path, 2), _weight(item))
+    items.sort(key=lambda it: (weight[str(it.path)], first_index[str(it.path)]))

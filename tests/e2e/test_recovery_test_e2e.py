@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from kvpersist.config.server import load_settings
+from kvpersist.demo.stack import EAGER_ARGS
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing import slow_disk
 from kvpersist.testing.helpers import TINY_PINS, server_env
 
-# serial: kvp-admin recovery-test drops the whole page cache
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = pytest.mark.e2e
 TIMING_CHECKS = {"TTFT dropped"}
 
 
@@ -38,10 +38,13 @@ def recovery_test(env: dict[str, str], out: Path, *recipe: str,
 
 
 def tiny_recipe(model: Path) -> list[str]:
+    """The tiny model's recipe, run eagerly like the other end-to-end tests' engines
+    (:data:`kvpersist.demo.stack.EAGER_ARGS`): the recovery test compares its own runs only."""
     return [str(model), "--dtype", "float32", "--max-model-len", "2048",
-            "--max-num-batched-tokens", "256", "--served-model-name", "tiny"]
+            "--max-num-batched-tokens", "256", "--served-model-name", "tiny", *EAGER_ARGS]
 
 
+@pytest.mark.serial  # kvp-admin recovery-test drops the whole page cache
 @pytest.mark.skipif(slow_disk.unavailable() is not None, reason=str(slow_disk.unavailable()))
 def test_both_scenarios_pass_with_disk_evidence(tiny_model: Path, tmp_path: Path) -> None:
     with slow_disk.slow_disk(tmp_path, size_mb=256, read_bytes_per_s=0) as disk:

@@ -28,6 +28,7 @@ from kvpersist.testing.helpers import (
     clear_l1,
     kvpersist_settings,
     l2_files,
+    l2_store_answers,
     wait_for_l2_files,
     wait_for_l2_idle,
     wait_until,
@@ -169,12 +170,19 @@ def test_accounting_cap_and_eviction(tmp_path: Path) -> None:
         assert adapter_status(s)["scan_source"] == "snapshot"
         d = driver(s)
         peak = 0
+        answered = l2_store_answers(adapter_status(s))
         for seq in range(4, 12):  # far beyond the budget
             assert d.checksums(10 + seq)
             d.store(10 + seq)
-            for _ in range(10):
+            answered += 4
+            # the peak on disk, sampled until the adapter has answered this sequence's stores
+            deadline = time.monotonic() + 60
+            while True:
                 peak = max(peak, disk_bytes(s.cache_root))
-                time.sleep(0.2)  # the sampling interval of the peak while stores land
+                if l2_store_answers(adapter_status(s)) >= answered:
+                    break
+                assert time.monotonic() < deadline, f"stores of sequence {seq} not answered"
+                time.sleep(0.05)
         # every store answered (8 sequences of 4 chunks), none in flight, eviction done
         wait_for_l2_idle(s, stores_at_least=8 * 4)
         disk = sum(p.stat().st_size for p in s.cache_root.glob("*.kvp"))

@@ -15,6 +15,7 @@ and the tests skip with that reason.  Needs the packages ``glusterfs-server glus
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -26,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HOST = "127.0.0.2"
+#: One glusterd per machine (its port and local socket are fixed): test modules that start one
+#: hold this lock while it runs, so two test workers take turns instead of one skipping.
+MACHINE_LOCK = Path("/tmp/kvpersist-glusterd.lock")
 #: The caching translators that let a mount serve stale data (seen: a stale version for ~1 s).
 CACHING_TRANSLATORS = ("performance.stat-prefetch", "performance.quick-read",
                        "performance.io-cache", "performance.read-ahead",
@@ -57,6 +61,18 @@ def unavailable() -> str | None:
     if Path("/var/run/glusterd.socket").exists() and _glusterd_running():
         return "a glusterd already runs on this machine; the tests start their own"
     return None
+
+
+@contextlib.contextmanager
+def machine_turn(lock: Path = MACHINE_LOCK) -> Iterator[None]:
+    """Hold the machine's GlusterFS turn (:data:`MACHINE_LOCK`) for the block; waits for the
+    holder to finish.  The lock is the kernel's (``flock``): a holder that dies releases it."""
+    with open(lock, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _glusterd_running() -> bool:
