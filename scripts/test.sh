@@ -19,7 +19,7 @@ py="$here/.venv/bin/python"
 echo "== ruff"; "$py" -m ruff check implementation tests benchmarks
 echo "== mypy"; "$py" -m mypy
 workers="${KVP_TEST_WORKERS:-2}"
-parallel=(-n "$workers" --dist loadfile)
+parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 if [[ "$workers" == 0 ]]; then parallel=(-p no:xdist); fi
 scope=(tests)
 select=""

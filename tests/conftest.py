@@ -69,11 +69,11 @@ def _weight(item: pytest.Item) -> int:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Heaviest files first, each file's tests kept together and in their order.
 
-    The two-worker pass (``--dist loadfile``, :file:`scripts/test.sh`) runs each file whole on
-    one worker (a module-scoped stack is built once, its tests keep their order) and hands the
-    files out in this order: the run ends sooner when the long files start first than when one
-    is left for last.  (The GlusterFS modules take turns through
-    :func:`kvpersist.testing.glusterfs.machine_turn`.)"""
+    The two-worker pass (``--dist loadfile --no-loadscope-reorder``, :file:`scripts/test.sh`)
+    runs each file whole on one worker (a module-scoped stack is built once, its tests keep
+    their order) and hands the files out in this order: the run ends sooner when the long
+    files start first than when one is left for last.  (The GlusterFS modules take turns
+    through :func:`kvpersist.testing.glusterfs.machine_turn`.)"""
     first_index: dict[str, int] = {}
     weight: dict[str, int] = {}
     for i, item in enumerate(items):

@@ -108,7 +108,12 @@ def stack(request: pytest.FixtureRequest, tiny_model: Path,
     vllm_env = {**env, **TWO_CORE_TP, "KVP_MP_TRANSFER_MODE": mode}
     extra = ["--no-enable-prefix-caching", "--tensor-parallel-size", str(tp),
              "--pipeline-parallel-size", str(pp)]
-    vllm = VllmProcess(tiny_model, pins, tmp / "vllm-1.log", vllm_env, extra_args=extra)
+    # vLLM 0.32 on CPU cannot run pipeline parallelism eagerly (its later stage finds no
+    # intermediate-tensor buffer: AssertionError in sync_and_gather_intermediate_tensors), so
+    # PP keeps the compiled default; both engines of a layout run in the same mode.
+    compiled = pp > 1
+    vllm = VllmProcess(tiny_model, pins, tmp / "vllm-1.log", vllm_env, extra_args=extra,
+                       compile=compiled)
     cold: dict[str, ChatResult] = {}
     files: dict[str, dict[str, list[Path]]] = {}
     try:
@@ -136,7 +141,8 @@ def stack(request: pytest.FixtureRequest, tiny_model: Path,
         corrupt_file(files[TOPICS[1]][RANKS[1]][CORRUPT_CHUNK], "flip")
         give_rank_0_payload(files[TOPICS[2]][RANKS[1]][0], files[TOPICS[2]][RANKS[0]][0])
         start_server(settings)
-        vllm = VllmProcess(tiny_model, pins, tmp / "vllm-2.log", vllm_env, extra_args=extra)
+        vllm = VllmProcess(tiny_model, pins, tmp / "vllm-2.log", vllm_env, extra_args=extra,
+                           compile=compiled)
         vllm.start()
         yield Stack(settings, vllm, cold, files)
     finally:

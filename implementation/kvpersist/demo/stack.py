@@ -45,7 +45,9 @@ def long_conversation(target_tokens: int = 900, topic: str = "the persistent KV 
 #: vLLM's compilation level "none": the model runs eagerly.  A start then skips torch.compile
 #: (on 2 cores the compile, or the load of a cached graph, is a quarter of a start); the KV the
 #: engine computes is the same kind of KV, and cold and warm runs within one engine compare
-#: bit for bit as before.  Tests whose subject is the compiled model pass ``compile=True``.
+#: bit for bit as before.  Tests whose subject is the compiled model pass ``compile=True``, and
+#: so must pipeline parallelism: vLLM 0.32 on CPU cannot run PP eagerly (its later stage finds
+#: no intermediate-tensor buffer).
 EAGER_ARGS = ("--compilation-config", '{"mode": 0}')
 
 
