@@ -55,8 +55,9 @@ EAGER_ARGS = ("--compilation-config", '{"mode": 0}')
 class VllmProcess(VllmServer):
     """vLLM's OpenAI server for the tiny ``model_dir``, started through our launcher.
 
-    ``compile=False`` (the default for tests and the demo's checks) runs the model eagerly
-    (:data:`EAGER_ARGS`); every engine a test compares must use the same setting."""
+    ``compile=False`` (the default, for tests) runs the model eagerly (:data:`EAGER_ARGS`);
+    the demo and the benchmarks pass ``compile=True``, vLLM's own default.  Every engine a
+    test compares must use the same setting."""
 
     model_dir: Path = Path()
     pins: Path = Path()
