@@ -72,8 +72,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     The two-worker pass (``--dist loadfile --no-loadscope-reorder``, :file:`scripts/test.sh`)
     runs each file whole on one worker (a module-scoped stack is built once, its tests keep
     their order) and hands the files out in this order: the run ends sooner when the long
-    files start first than when one is left for last.  (The GlusterFS modules take turns
-    through :func:`kvpersist.testing.glusterfs.machine_turn`.)"""
+    files start first than when one is left for last.  (The GlusterFS modules go to one worker
+    together, :func:`pytest_xdist_make_scheduler`.)"""
     first_index: dict[str, int] = {}
     weight: dict[str, int] = {}
     for i, item in enumerate(items):
@@ -81,3 +81,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         first_index.setdefault(path, i)
         weight[path] = min(weight.get(path, 2), _weight(item))
     items.sort(key=lambda it: (weight[str(it.path)], first_index[str(it.path)]))
+
+
+#: Folders whose files run on one worker, one after another: they share a machine-wide resource
+#: (one glusterd per machine).  Split over two workers, one waited minutes on the other's turn
+#: (:func:`kvpersist.testing.glusterfs.machine_turn`).
+ONE_WORKER_FOLDERS = ("tests/shared/",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """xdist's per-file scheduling, with each of :data:`ONE_WORKER_FOLDERS` one unit of work.
+    (``--dist loadgroup`` would do this by mark, but with this pytest the marks never reach the
+    workers: docs/testing.md.)  Only with ``--dist loadfile`` (``scripts/test.sh``'s first
+    pass); any other mode is xdist's own."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FolderOrFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for folder in ONE_WORKER_FOLDERS:
+                if nodeid.startswith(folder):
+                    return folder
+            return super()._split_scope(nodeid)
+
+    return FolderOrFileScheduling(config, log)  # type: ignore[arg-type]

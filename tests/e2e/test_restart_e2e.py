@@ -119,9 +119,9 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
                                            tensor_parallel_size=1, pipeline_parallel_size=1,
                                            max_model_len=1024)
         assert new_namespace != namespace
+        # eager: compilation is not an identity field, and the compiled restore is round 2's
         vllm_changed = VllmProcess(tiny_model, changed_pins, tmp_path / "vllm-changed.log",
-                                   server_env, extra_args=["--max-model-len", "1024"],
-                                   compile=True)
+                                   server_env, extra_args=["--max-model-len", "1024"])
         vllm = vllm_changed
         vllm.start()
         third = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)

@@ -59,13 +59,27 @@ static void hash_piece(XXH3_state_t *state, const char *p, Py_ssize_t n, double 
 }
 
 /* Segments grow while reads are fast: a fast device gets fewer, larger requests (a VM disk or
- * an NVMe drive pays per request), a slow one keeps the caller's segment, so a restore's
- * progress is never counted less often than with fixed segments on a device that is slow from
- * the start.  GROW_BELOW_NS: a read this quick doubles the next; SHRINK_ABOVE_NS: a read this
- * slow halves it (never below the caller's segment); MAX_GROWTH: at most this many times it. */
+ * an NVMe drive pays per request), a slow one keeps the caller's segment.  A read's bytes are
+ * counted only when it returns, so the size of a read bounds how long a restore can look
+ * stalled: on a device slow from the start nothing grows (counted as often as with fixed
+ * segments); on one fast at first and slow after (a throttle's burst, a cloud disk's burst
+ * credits, a file's first pages cached), each reading thread's one read across the change is at
+ * most MAX_GROWTH times the caller's segment, after which the segment is the caller's again.
+ * MAX_GROWTH 8 let 7 threads each start a 4 MiB read at a 5 MiB/s device's burst and show no
+ * progress for 5.6 s, past the lookup deadline's 5 s (test_long_restore_e2e).
+ * GROW_BELOW_NS: a full read this quick doubles the next; SHRINK_ABOVE_NS: a read this slow
+ * puts the segment back to the caller's. */
 #define GROW_BELOW_NS 20000000LL
 #define SHRINK_ABOVE_NS 100000000LL
-#define MAX_GROWTH 8
+#define MAX_GROWTH 2
+
+/* The next read's size after a read of `got` of `asked` bytes that took `took` ns. */
+static Py_ssize_t next_step(Py_ssize_t step, Py_ssize_t segment, Py_ssize_t got,
+                            Py_ssize_t asked, long long took) {
+    if (took > SHRINK_ABOVE_NS) return segment;
+    if (got == asked && took < GROW_BELOW_NS && step < segment * MAX_GROWTH) return step * 2;
+    return step;
+}
 
 static long long now_ns(void) {
     struct timespec t;
@@ -93,8 +107,7 @@ static Py_ssize_t read_loop(int fd, char *dst, Py_ssize_t want, long long offset
         __atomic_add_fetch(counter, (int64_t)got, __ATOMIC_RELAXED);
         if (state != NULL) hash_piece(state, dst + done, got, hash_s);
         done += got;
-        if (got == n && took < GROW_BELOW_NS && step < segment * MAX_GROWTH) step *= 2;
-        else if (took > SHRINK_ABOVE_NS && step > segment) step /= 2;
+        step = next_step(step, segment, got, n, took);
     }
     return done;
 }
@@ -207,7 +220,17 @@ static PyObject *read_hashed(PyObject *self, PyObject *args) {
                          hash_s);
 }
 
+static PyObject *py_next_step(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t step, segment, got, asked;
+    long long took;
+    if (!PyArg_ParseTuple(args, "nnnnL", &step, &segment, &got, &asked, &took)) return NULL;
+    return PyLong_FromSsize_t(next_step(step, segment, got, asked, took));
+}
+
 static PyMethodDef methods[] = {
+    {"next_step", py_next_step, METH_VARARGS,
+     "next_step(step, segment, got, asked, took_ns) -> the next read's size (the loop's rule)."},
     {"read_counted", read_counted, METH_VARARGS,
      "read_counted(fd, out, offset, segment, cell) -> bytes read; see read_loop.py."},
     {"read_hashed", read_hashed, METH_VARARGS,

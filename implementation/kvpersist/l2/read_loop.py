@@ -12,7 +12,7 @@ Invariants
 ----------
 * :func:`read_counted` fills ``out`` from ``offset`` until it is full or the file ends,
   ``segment`` bytes per ``pread`` (the C loop: to begin with; each read under 20 ms doubles the
-  next, up to 8x, each over 100 ms halves it, never below ``segment``: a fast device gets fewer,
+  next, up to 2x, one over 100 ms puts it back to ``segment``: a fast device gets fewer,
   larger requests, a device slow from the start is counted as often as with fixed segments); it
   returns the bytes read (short only at end of file) and raises OSError for any other failure
   (EINTR is retried).  After each ``pread`` its byte count is added to the :class:`ReadCounter`
