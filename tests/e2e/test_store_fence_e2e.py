@@ -10,8 +10,9 @@ reading any of its blocks, for far longer than the worker's store timeout
 takes freed blocks.  LMCache's own flush skips its wait while the heartbeat calls the server
 unhealthy (and waits 2 s at most otherwise), so the server, once it runs again, would read other
 KV under the preempted prompt's keys; kvpersist's store fence holds the step until the server
-read them.  After restarting both processes, each prompt comes back from L2 bit-identical to
-the same prompt computed cold (under another salt, so nothing is shared).
+read them.  After restarting the server (L1 empty; the engine's own prefix cache is off, so
+every hit is L2's), each prompt comes back from L2 bit-identical to the same prompt computed
+cold (under another salt, so nothing is shared).
 
 The probe can fail: ``KVP_TEST_WITHOUT_STORE_FENCE=1`` runs the same test with the fence removed
 (a test-only ``sitecustomize`` in vLLM's processes); on 2026-12-03 it failed there, the
@@ -38,6 +39,11 @@ CHUNK = 256
 MAX_LEN = 1024
 BLOCKS = 10  # 9 usable blocks of 128 tokens: two prompts of 3 blocks each, until they grow
 STOP_S = 30.0
+# LMCache's lines in vLLM's log: a heartbeat's verdicts, the worker's re-registration
+DEGRADED = "LMCache server is unhealthy — entering degraded mode"
+RESUMED = "LMCache server is healthy again — resuming normal operation"
+RECOVERED = "Finished re-registering KV caches after server recovery"
+HEARTBEATS = 2  # the scheduler's and the one worker's
 NO_FENCE = """\
 import kvpersist.serving.store_fence as _f
 _f.StoreFence.install = lambda self: None
@@ -115,16 +121,20 @@ def test_a_preempted_request_s_store_is_read_before_its_blocks_are_reused(
         assert metric_sum(vllm.metrics(), "vllm:num_preemptions_total") >= 1
         tokens = int(replies["c"]["usage"]["prompt_tokens"])
         wait_for_l2_files(settings.cache_root, len(prompts) * (tokens // CHUNK))
-    finally:
-        vllm.kill()
-    stop_server(settings)
 
-    # both restarted, a cache that holds every chat: each from L2 equals it computed cold
-    start_server(settings)
-    vllm = VllmProcess(tiny_model, pins, tmp_path / "vllm.log", server_env,
-                       max_model_len=MAX_LEN, extra_args=["--no-enable-prefix-caching"])
-    try:
-        vllm.start()
+        # The server restarted without the fault, L1 empty; the same engine (its own prefix
+        # cache off) re-registers: each chat from L2 equals it computed cold under a salt.
+        def seen(line: str) -> int:
+            return log.read_text(errors="replace").count(line)
+
+        down, up, recovered = seen(DEGRADED), seen(RESUMED), seen(RECOVERED)
+        stop_server(settings)
+        # both heartbeats (the scheduler's, the worker's) notice, so the worker re-registers
+        wait_until(lambda: seen(DEGRADED) >= down + HEARTBEATS, timeout=60,
+                   message="vLLM's heartbeats did not notice the stopped server")
+        start_server(settings)
+        wait_until(lambda: seen(RECOVERED) > recovered and seen(RESUMED) >= up + HEARTBEATS,
+                   timeout=120, message="vLLM's worker did not re-register with the server")
         for name, prompt in prompts.items():
             cold = complete(vllm.base_url, [prompt], max_tokens=16, cache_salt=f"cold-{name}")
             assert cached(cold) == 0
@@ -133,4 +143,3 @@ def test_a_preempted_request_s_store_is_read_before_its_blocks_are_reused(
             assert answer(restored) == answer(cold), name
     finally:
         vllm.kill()
-

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvpersist.serving.lookup_deadline import LookupDeadline, ServerProgressProbe, progress_token
+from kvpersist.testing.helpers import wait_until
 
 
 class FakeClock:
@@ -191,13 +192,16 @@ def test_the_probe_sees_progress_and_its_absence(status_server: tuple[str, dict[
             state["read_bytes"] += 1 << 20
             time.sleep(0.1)  # pacing of the simulated reads
             assert deadline.verdict("r", healthy=True) is None
-        time.sleep(1.2)  # on purpose: counters frozen for longer than stall_s (0.8 s)
-        assert "stalled" in str(deadline.verdict("r", healthy=True))
+        # counters frozen: judged stalled once the probe has looked past stall_s (0.8 s)
+        wait_until(lambda: "stalled" in str(deadline.verdict("r", healthy=True)), timeout=10,
+                   interval=0.05, message="frozen counters were never judged stalled")
         deadline.end("r")
         deadline.begin("s")
         state["answer"] = False  # a hung server makes no progress either
         state["read_bytes"] += 1
-        time.sleep(1.2)  # on purpose: longer than stall_s with every probe timing out
-        assert "stalled" in str(deadline.verdict("s", healthy=True))
+        # every probe times out (0.5 s): stalls are judged up to the probe's latest look, so
+        # the verdict comes once a timed-out look ends past stall_s, not at a fixed time
+        wait_until(lambda: "stalled" in str(deadline.verdict("s", healthy=True)), timeout=10,
+                   interval=0.05, message="a hung server was never judged stalled")
     finally:
         probe.close()
