@@ -30,6 +30,7 @@ from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving.lmcache_compat import fault_injection
 from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing import lmcache_log
 from kvpersist.testing.helpers import server_env, wait_for_l2_files, wait_until, write_pins
 from kvpersist.testing.processes import kill_server, server_pid
 
@@ -40,8 +41,6 @@ ALONE = pytest.mark.serial
 STOP_S = 5.0  # > the 2 s heartbeat's ping timeout; < the 6 s a pickled reply is waited unhealthy
 CHUNK = 256
 HELD = "its blocks are held until the server answers or exits"  # the fence's log line
-UNHEALTHY = "LMCache server is unhealthy"  # LMCache's heartbeat, in a worker
-RECOVERED = "Finished re-registering KV caches after server recovery"  # ditto, per worker
 
 
 def journal_events(path: Path) -> list[str]:
@@ -86,7 +85,7 @@ def test_a_load_given_up_by_the_heartbeat_is_never_written_late(
               f"{time.monotonic() - began:.1f}s, cached {warm.cached_tokens}")
         assert journal_events(journal)[:2] == ["stop", "go"], journal.read_text()
         vllm_log = log.read_text(errors="replace")
-        assert UNHEALTHY in vllm_log, ("the heartbeat never called the stopped server "
+        assert lmcache_log.UNHEALTHY in vllm_log, ("the heartbeat never called the stopped server "
                                        "unhealthy: the race was not provoked")
         assert warm.cached_tokens == full, (warm.cached_tokens, full)
         assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
@@ -126,7 +125,7 @@ def killed_mid_retrieve(vllm: VllmProcess, settings: ServerSettings, journal: Pa
     # 3. killed -9 while stopped mid-retrieve: released, recomputed, counted.  First every
     # worker's heartbeat is healthy again (LMCache drops a load submitted while unhealthy).
     def recovered() -> bool:
-        return log.read_text(errors="replace").count(RECOVERED) >= tp
+        return lmcache_log.count(log, lmcache_log.REREGISTERED) >= tp
 
     wait_until(recovered, timeout=60, interval=0.2)
     stops = journal_events(journal).count("stop")

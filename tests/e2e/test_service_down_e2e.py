@@ -21,16 +21,13 @@ import pytest
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving.server import start_server
+from kvpersist.testing import lmcache_log
 from kvpersist.testing.helpers import TINY_PINS, wait_until
 from kvpersist.testing.processes import kill_server
 
 pytestmark = pytest.mark.e2e
 LOOKUP_DEADLINE_S = 5.0
 RESUME_BOUND_S = 45.0  # the first request after the server returns (re-registration included)
-# LMCache's lines in vLLM's log: a heartbeat (the scheduler's, the one worker's) healthy again,
-# and the worker's KV caches registered with the returned server.
-RESUMED = "resuming normal operation"  # "LMCache server is healthy again — ..."
-REREGISTERED = "Finished re-registering KV caches after server recovery"
 HEARTBEATS = 2  # the scheduler's and the worker's (one worker: no tensor parallelism)
 
 
@@ -78,14 +75,14 @@ def test_cache_service_down_never_stalls_serving_and_caching_resumes(
                           reason="server_down") >= 1
 
         # 2. The server comes back: caching resumes without restarting vLLM.
-        def log_count(line: str) -> int:
-            return vllm.log_path.read_text(errors="replace").count(line)
+        def seen(line: str) -> int:
+            return lmcache_log.count(vllm.log_path, line)
 
-        resumed, reregistered = log_count(RESUMED), log_count(REREGISTERED)
+        up, registered = seen(lmcache_log.HEALTHY_AGAIN), seen(lmcache_log.REREGISTERED)
         start_server(settings)
         # the heartbeats (2 s) notice, the worker re-registers its KV caches
-        wait_until(lambda: log_count(REREGISTERED) > reregistered
-                   and log_count(RESUMED) >= resumed + HEARTBEATS, timeout=120,
+        wait_until(lambda: seen(lmcache_log.REREGISTERED) > registered
+                   and seen(lmcache_log.HEALTHY_AGAIN) >= up + HEARTBEATS, timeout=120,
                    message="vLLM's heartbeats did not recover and re-register")
         before = files(root)
         began = time.monotonic()

@@ -32,6 +32,7 @@ from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, http_json, metric_sum
 from kvpersist.serving.lmcache_compat import fault_injection
 from kvpersist.serving.server import start_server, stop_server
+from kvpersist.testing import lmcache_log
 from kvpersist.testing.helpers import wait_for_l2_files, wait_until, write_pins
 
 pytestmark = pytest.mark.e2e
@@ -39,10 +40,6 @@ CHUNK = 256
 MAX_LEN = 1024
 BLOCKS = 10  # 9 usable blocks of 128 tokens: two prompts of 3 blocks each, until they grow
 STOP_S = 30.0
-# LMCache's lines in vLLM's log: a heartbeat's verdicts, the worker's re-registration
-DEGRADED = "LMCache server is unhealthy — entering degraded mode"
-RESUMED = "LMCache server is healthy again — resuming normal operation"
-RECOVERED = "Finished re-registering KV caches after server recovery"
 HEARTBEATS = 2  # the scheduler's and the one worker's
 NO_FENCE = """\
 import kvpersist.serving.store_fence as _f
@@ -125,15 +122,17 @@ def test_a_preempted_request_s_store_is_read_before_its_blocks_are_reused(
         # The server restarted without the fault, L1 empty; the same engine (its own prefix
         # cache off) re-registers: each chat from L2 equals it computed cold under a salt.
         def seen(line: str) -> int:
-            return log.read_text(errors="replace").count(line)
+            return lmcache_log.count(log, line)
 
-        down, up, recovered = seen(DEGRADED), seen(RESUMED), seen(RECOVERED)
+        down, up = seen(lmcache_log.UNHEALTHY), seen(lmcache_log.HEALTHY_AGAIN)
+        registered = seen(lmcache_log.REREGISTERED)
         stop_server(settings)
         # both heartbeats (the scheduler's, the worker's) notice, so the worker re-registers
-        wait_until(lambda: seen(DEGRADED) >= down + HEARTBEATS, timeout=60,
+        wait_until(lambda: seen(lmcache_log.UNHEALTHY) >= down + HEARTBEATS, timeout=60,
                    message="vLLM's heartbeats did not notice the stopped server")
         start_server(settings)
-        wait_until(lambda: seen(RECOVERED) > recovered and seen(RESUMED) >= up + HEARTBEATS,
+        wait_until(lambda: seen(lmcache_log.REREGISTERED) > registered
+                   and seen(lmcache_log.HEALTHY_AGAIN) >= up + HEARTBEATS,
                    timeout=120, message="vLLM's worker did not re-register with the server")
         for name, prompt in prompts.items():
             cold = complete(vllm.base_url, [prompt], max_tokens=16, cache_salt=f"cold-{name}")

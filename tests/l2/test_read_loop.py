@@ -218,14 +218,15 @@ def test_a_grown_segment_is_bounded_and_falls_back_after_one_slow_read() -> None
     # A device fast at first and slow after (a throttle's burst): the one read across the change
     # is at most 2x the caller's segment, and the read after it is the caller's segment again.
     # With 8x, seven 5 MiB/s threads showed no progress for 5.6 s: the lookup deadline gave up.
+    next_step = read_loop._readloop.next_step  # (step, segment, got, asked, took_ns)
     mib = 1 << 20
     step = mib
     for _ in range(10):  # fast, full reads
-        step = read_loop._readloop.next_step(step, mib, step, step, 1 * MS)
+        step = next_step(step, mib, step, step, 1 * MS)
     assert step == 2 * mib
-    assert read_loop._readloop.next_step(step, mib, step, step, 150 * MS) == mib  # one slow read: back
-    assert read_loop._readloop.next_step(step, mib, step, step, 50 * MS) == step  # neither fast nor slow
-    assert read_loop._readloop.next_step(mib, mib, mib // 2, mib, 1 * MS) == mib  # a short read: no growth
+    assert next_step(step, mib, step, step, 150 * MS) == mib  # one slow read: back
+    assert next_step(step, mib, step, step, 50 * MS) == step  # neither fast nor slow
+    assert next_step(mib, mib, mib // 2, mib, 1 * MS) == mib  # a short read: no growth
 
 
 @pytest.mark.serial  # a busy-wait must see a count mid-read
