@@ -17,7 +17,7 @@ from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_su
 from kvpersist.demo.tiny_model import WIDE_KV
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing import slow_disk
-from kvpersist.testing.helpers import clear_l1, pins_for_model, server_env, wait_for_l2_files
+from kvpersist.testing.helpers import cache_diagnosis, clear_l1, pins_for_model, server_env, wait_for_l2_files
 from kvpersist.testing.processes import server_pid
 
 # serial: the restore must outlast the deadline because of the throttled disk, not stall on
@@ -62,7 +62,9 @@ def test_a_progressing_restore_is_waited_for_a_stalled_one_is_not(tmp_path: Path
             assert disk.evict_files() >= chunks
             read_before = disk.read_bytes()
             warm = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
-            assert metric_sum(vllm.metrics(), HITS) == 256 * chunks  # every full chunk from L2
+            hits = metric_sum(vllm.metrics(), HITS)
+            assert hits == 256 * chunks, (  # every full chunk from L2
+                f"{hits} hits\n{cache_diagnosis(vllm.log_path, settings.log_file)}")
             assert warm.cached_tokens == 256 * chunks
             assert (warm.tokens, warm.logprobs, warm.text) == (cold.tokens, cold.logprobs,
                                                                cold.text)

@@ -203,3 +203,19 @@ def wait_for_stored_chat(root: Path, count: int, resend: Callable[[], object], *
         except AssertionError:
             resend()
     return wait_for_l2_files(root, count, timeout=60)
+
+
+def cache_diagnosis(vllm_log: Path, server_log: Path, lines: int = 40) -> str:
+    """What a failed hit assertion prints: vLLM's kvpersist and LMCache lines (a bypass and its
+    reason, the lookup's warnings) and the server log's tail.  CI shows only pytest's output, so
+    without this a lost hit there says nothing of its cause."""
+    def grep_tail(path: Path, words: tuple[str, ...]) -> str:
+        try:
+            text = path.read_text(errors="replace").splitlines()
+        except OSError as err:
+            return f"({path}: {err})"
+        picked = [line for line in text if any(word in line for word in words)] if words else text
+        return "\n".join(line[:400] for line in picked[-lines:])
+    return (f"--- {vllm_log.name}: kvpersist lines, warnings, errors ---\n"
+            f"{grep_tail(vllm_log, ('kvpersist: ', 'WARNING', 'ERROR', 'Traceback'))}\n"
+            f"--- {server_log.name}: tail ---\n{grep_tail(server_log, ())}")
