@@ -199,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvpersist: LMCache endpoints on unix sockets {args.request_socket} (request) "
               f"and {args.http_socket} (admin), mode {args.socket_mode:04o}",
               file=sys.stderr, flush=True)
+    from .lmcache_compat import adapter_loading
+
+    adapter_loading.install(lmcache_args, adapter_arguments(lmcache_args))
     from lmcache.cli.main import main as lmcache_main
 
     lmcache_main(lmcache_args)

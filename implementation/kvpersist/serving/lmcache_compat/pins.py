@@ -50,6 +50,8 @@ _PREFETCH = "lmcache.v1.distributed.storage_controllers.prefetch_controller"
 _MP_METADATA = "lmcache.integration.vllm.lmcache_mp_metadata"
 _VLLM_UTILS = "lmcache.integration.vllm.utils"
 _WORKER_TRANSFER = "lmcache.v1.multiprocess.transfer_context.worker_transfer"
+_L2_CONFIG = "lmcache.v1.distributed.l2_adapters.config"
+_L2_FACTORY = "lmcache.v1.distributed.l2_adapters.factory"
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,18 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
             (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.register_kv_cache", "c8c05d9edf7277c9"),
             (_ENGINE_DRIVEN, "EngineDrivenTransferModule.register_kv_cache_engine_driven_context",
              "b1dc37f4e3267f5a"),
+        )),
+    Feature(
+        "adapter_loading",
+        purpose="the server imports only the L2 adapter modules its command line names, not "
+                "all of LMCache's (lmcache_compat.adapter_loading): 3 s off every start",
+        if_off="LMCache's own start: every adapter module is imported to list them in --help",
+        sources=(
+            (_L2_CONFIG, "add_l2_adapters_args", "39d7f98fa15e8a3a"),
+            (_L2_CONFIG, "get_registered_l2_adapter_types", "f25fbe135709bbd4"),
+            (_L2_CONFIG, "_ensure_config_loaded", "453e7dd4ca9edab2"),
+            (_L2_FACTORY, "ensure_adapter_loaded", "acd64a184b81d4f9"),
+            (_L2_FACTORY, "add_pending_module", "80c47fdbf7031617"),
         )),
     Feature(
         "unix_endpoints",
