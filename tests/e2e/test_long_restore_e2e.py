@@ -7,6 +7,7 @@ process faulting its libraries back in after a whole page-cache drop)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.demo.tiny_model import WIDE_KV
+from kvpersist.serving.connector_metrics import BYPASS_METRIC
 from kvpersist.serving.server import start_server, stop_server
 from kvpersist.testing import slow_disk
 from kvpersist.testing.helpers import cache_diagnosis, clear_l1, pins_for_model, server_env, wait_for_l2_files
@@ -62,9 +64,13 @@ def test_a_progressing_restore_is_waited_for_a_stalled_one_is_not(tmp_path: Path
             assert disk.evict_files() >= chunks
             read_before = disk.read_bytes()
             warm = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
-            hits = metric_sum(vllm.metrics(), HITS)
+            metrics = vllm.metrics()
+            hits = metric_sum(metrics, HITS)
             assert hits == 256 * chunks, (  # every full chunk from L2
-                f"{hits} hits\n{cache_diagnosis(vllm.log_path, settings.log_file)}")
+                f"{hits} hits in {warm.seconds:.1f}s, "
+                f"{(disk.read_bytes() - read_before) / 2**20:.0f} MiB read from the slow disk, "
+                f"{metric_sum(metrics, BYPASS_METRIC):.0f} bypasses, load average "
+                f"{os.getloadavg()}\n{cache_diagnosis(vllm.log_path, settings.log_file)}")
             assert warm.cached_tokens == 256 * chunks
             assert (warm.tokens, warm.logprobs, warm.text) == (cold.tokens, cold.logprobs,
                                                                cold.text)

@@ -17,6 +17,10 @@ Invariants
   (unless LMCache's lazy offload expects one receipt per store) and counted in ``/metrics``.
 * An abandoned lookup's L1 locks are released on a live server (a courtesy: the read-lock TTL
   is the backstop).
+* LMCache's answer of 0 hits counts only while its heartbeat says the server is healthy: its own
+  health check answers 0 without asking the server, so a 0 given while unhealthy (the beat was
+  missed between kvpersist's check and LMCache's) is not an answer; the request waits, under the
+  deadline, and asks again.
 * Every request LMCache tracks is keyed before LMCache uses its tracker: its salt is the one
   :mod:`kvpersist.serving.request_keys` derives (the LoRA adapter's content folded in), or, when
   its KV cannot be keyed exactly, it is neither looked up nor stored (``max_offload_tokens`` 0).
@@ -128,6 +132,12 @@ class SchedulerSide:
             # dead_after_s without progress).  Until then the request waits.
             return None, False
         result = lmcache_lookup()
+        if result[0] == 0 and not self._adapter.is_healthy:
+            # The heartbeat turned unhealthy between the check above and LMCache's own (a
+            # missed beat of a busy server): LMCache then answers 0 without asking the server,
+            # and a restore in progress would be thrown away.  Not an answer: the request
+            # waits, and the deadline decides as for any unhealthy wait.
+            return None, False
         if result[0] is not None:
             self.deadline.end(rid)
         return result
