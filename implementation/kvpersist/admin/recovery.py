@@ -11,7 +11,9 @@ Invariants
   found before anything is started.
 * A hit counts as "from L2" only with evidence: the server's L2 hit counter moved after a marker
   taken before the request, L1 was cleared first (scenario A), and in scenario B the read
-  sectors of the cache device grew after the page cache was dropped.  Evidence that cannot be
+  sectors of the cache device grew after the page cache was dropped (or, with
+  ``evict="cache-files"``, the cache files' own pages evicted: every other process keeps its
+  cached pages).  Evidence that cannot be
   had (no block device behind the cache root, no right to drop the page cache, L1 not
   clearable) makes the check INCONCLUSIVE, never a PASS.
 * The verdict is FAIL when any check failed, else INCONCLUSIVE when any check was, else PASS.
@@ -35,6 +37,7 @@ from ..serving import http
 from ..serving.lmcache_compat import status as server_status
 from ..serving.server import ServerError, is_healthy, start_server, stop_server
 from ..serving.vllm_client import KVP_VLLM, StreamedChat, VllmServer, metric_sum, stream_chat
+from .page_cache import drop_page_cache, evict_files
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
@@ -88,13 +91,6 @@ def sectors_read(device: str, diskstats: Path = Path("/proc/diskstats")) -> int 
     return None
 
 
-def drop_page_cache() -> None:
-    """Write back and drop the page cache, so the next reads come from the device (root only;
-    OSError otherwise)."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
 def recovery_chat(nonce: str, words: int) -> list[dict[str, str]]:
     """A conversation nobody has sent before (the nonce leads it), about ``words`` words long."""
     sentences: list[str] = []
@@ -130,6 +126,8 @@ class RecoveryTest:
     out: Path
     words: int = 600
     device: str | None = None
+    #: how scenario B's restore is made cold (:data:`kvpersist.admin.page_cache.EVICT_CHOICES`)
+    evict: str = "page-cache"
     vllm_timeout_s: float = 900.0
     request_timeout_s: float = 900.0
     store_wait_s: float = 120.0
@@ -232,14 +230,21 @@ class RecoveryTest:
                        f"/cache/clear answered {cleared.status}: an L1 hit cannot be ruled out")
             self.restored("A", vllm, messages, cold, device_reads=None)
 
-            self.say("scenario B: restarting vLLM and the server, page cache dropped")
+            cold_by = ("page cache dropped" if self.evict == "page-cache"
+                       else "the cache files' pages evicted")
+            self.say(f"scenario B: restarting vLLM and the server, {cold_by}")
             vllm.stop()
             stop_server(self.settings)
             dropped: str | None = None
             try:
-                drop_page_cache()
+                if self.evict == "page-cache":
+                    drop_page_cache()
+                else:
+                    evict_files(self.settings.cache_root)
             except OSError as exc:
-                dropped = f"cannot drop the page cache ({exc.strerror}); run as root"
+                dropped = (f"cannot drop the page cache ({exc.strerror}); run as root"
+                           if self.evict == "page-cache" else
+                           f"cannot evict the cache files' pages ({exc.strerror})")
             device = block_device_of(self.settings.cache_root, self.device)
             reads = sectors_read(device) if device else None
             start_server(self.settings)

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..admin.recovery import drop_page_cache
+from ..admin.page_cache import drop_page_cache
+from ..admin.page_cache import evict_files as evict_page_cache
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
@@ -36,26 +37,6 @@ def unavailable() -> str | None:
 
 
 drop_caches = drop_page_cache
-
-
-def evict_page_cache(top: Path) -> int:
-    """Write back and evict the page cache of every file under ``top`` (and nothing else);
-    returns how many files.  The next reads of them come from the device, while every
-    process's own code pages stay cached: a whole-cache drop (``echo 3``) on a small machine
-    makes every process fault its libraries back in for seconds, which stalls the processes
-    under test (seen: vLLM's scheduler held 5 s) and every other test running beside them."""
-    os.sync()
-    count = 0
-    for dirpath, _dirs, files in os.walk(top):
-        for name in files:
-            with contextlib.suppress(OSError):
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    count += 1
-                finally:
-                    os.close(fd)
-    return count
 
 
 @dataclass

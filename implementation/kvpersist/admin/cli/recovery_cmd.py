@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..page_cache import EVICT_CHOICES
 from ..recovery import EXIT_CODES, default_out, run_recovery_test
 from .common import Subparsers, add_json, print_json, settings_or_exit
 
@@ -23,7 +24,7 @@ def cmd_recovery_test(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_out()
     verdict, test = run_recovery_test(
         settings, recipe, out, words=args.words,
-        device=args.device or os.environ.get("KVP_CACHE_DEVICE"),
+        device=args.device or os.environ.get("KVP_CACHE_DEVICE"), evict=args.evict,
         vllm_timeout_s=args.vllm_timeout, request_timeout_s=args.request_timeout)
     if args.json:
         print_json({"verdict": verdict, "out": str(out),
@@ -59,6 +60,11 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--device", default=None,
                    help="block device of the cache for the disk evidence (default "
                    "$KVP_CACHE_DEVICE, else the device holding KVP_CACHE_ROOT)")
+    p.add_argument("--evict", choices=EVICT_CHOICES, default="page-cache",
+                   help="how scenario B's restore is made cold: page-cache drops the whole "
+                   "page cache (root; default), cache-files evicts only the pages of the files "
+                   "under KVP_CACHE_ROOT, so the node's other processes keep theirs (the choice "
+                   "on a node that serves other work; the device reads are the same evidence)")
     p.add_argument("--vllm-timeout", type=float, default=900.0,
                    help="seconds vLLM may take to start (default 900)")
     p.add_argument("--request-timeout", type=float, default=900.0,
