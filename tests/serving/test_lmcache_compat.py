@@ -54,10 +54,19 @@ def test_the_digest_sees_through_lmcache_decorators() -> None:
     ("LMCacheMPSchedulerAdapter.__init__", ["_heartbeat_interval", "_mq_timeout",
                                             "_health_events"]),
     ("LMCacheMPConnector.__init__", ["_connector_stats"]),
+    ("StorageManager.__init__", ["_eviction_controllers"]),
+    ("L1EvictionController.__init__", ["_eviction_policy", "_l1_manager"]),
+    ("LRUEvictionPolicy.__init__", ["_lock", "_order"]),
+    ("L1Manager.__init__", ["_objects"]),
 ])
 def test_every_private_attribute_read_is_set_by_the_pinned_constructor(
         qualname: str, attributes: list[str]) -> None:
-    module = {"LMCacheMPConnector.__init__": "lmcache.integration.vllm.lmcache_mp_connector"}.get(
+    module = {"LMCacheMPConnector.__init__": "lmcache.integration.vllm.lmcache_mp_connector",
+              "StorageManager.__init__": "lmcache.v1.distributed.storage_manager",
+              "L1EvictionController.__init__":
+                  "lmcache.v1.distributed.storage_controllers.eviction_controller",
+              "LRUEvictionPolicy.__init__": "lmcache.v1.distributed.eviction_policy.lru",
+              "L1Manager.__init__": "lmcache.v1.distributed.l1_manager"}.get(
         qualname, "lmcache.integration.vllm.vllm_multi_process_adapter")
     cls = pins.resolve(module, qualname.rsplit(".", 1)[0])
     source = inspect.getsource(cls)  # constructors delegate to helpers of the same class
@@ -84,7 +93,8 @@ def test_only_the_compat_package_touches_lmcache_internals() -> None:
              "_dropped_retrieves", "_failed_request_ids", "_pending_store_kv_events",
              "EngineDrivenContextPickle", "MessageQueueServer", "_vllm_config",
              "_kv_cache_config", "_plan_load", "_consume_prefetch_result",
-             "_inflight_stores", "_inflight_lock", "transfer_ctx"}
+             "_inflight_stores", "_inflight_lock", "transfer_ctx", "_eviction_controllers",
+             "_eviction_policy", "_l1_manager", "_order", "_objects"}
     package = COMPAT.parent.parent
     offenders = []
     for path in package.rglob("*.py"):

@@ -30,12 +30,16 @@ class CompatError(RuntimeError):
     """An LMCache internal kvpersist relies on is not there."""
 
 
-def _attribute(obj: Any, name: str) -> Any:
+def require(obj: Any, name: str) -> Any:
+    """``obj.name``, or CompatError naming both: the loud read of an LMCache internal."""
     try:
         return getattr(obj, name)
     except AttributeError:
         raise CompatError(f"LMCache's {type(obj).__name__} has no {name} (kvpersist was written "
                           "against LMCache 0.5.6)") from None
+
+
+_attribute = require
 
 
 # -- heartbeat and timeouts (both adapters)

@@ -50,7 +50,7 @@ from typing import Any
 
 from .. import restore_window as rules
 from ..restore_window import RestoreStats, WindowPlan
-from . import pins
+from . import l1_internals, pins
 
 FEATURE = "l1_window"
 
@@ -131,16 +131,10 @@ class L1Window:
     # -- 1. eviction on demand
     def evict_clean(self, l1_manager: Any, need_bytes: int) -> int:
         """Evict clean, unheld objects, oldest first, for ``need_bytes``; the bytes freed."""
-        policy: Any = None
-        for controller in getattr(self.storage_manager, "_eviction_controllers", []):
-            if getattr(controller, "_l1_manager", None) is l1_manager:
-                policy = controller._eviction_policy
-        order = getattr(policy, "_order", None)
-        if order is None:
+        oldest = l1_internals.lru_order(self.storage_manager, l1_manager)
+        if oldest is None:  # not LMCache's LRU policy: no eviction on demand
             return 0
-        with policy._lock:
-            oldest = list(order)
-        objects = l1_manager._objects
+        objects = l1_internals.l1_objects(l1_manager)
 
         sizes: dict[Any, int] = {}
 

@@ -173,6 +173,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
                "L2 hit",
         sources=(
             (_STORAGE, "StorageManager.__init__", "d1310d3b427ae8c7"),
+            (_L1, "L1Manager.__init__", "aecaa0faf1069030"),
+            ("lmcache.v1.distributed.storage_controllers.eviction_controller",
+             "L1EvictionController.__init__", "a9c4f751cbbbcda6"),
+            ("lmcache.v1.distributed.eviction_policy.lru", "LRUEvictionPolicy.__init__",
+             "012690187ed9f924"),
             (_STORAGE, "StorageManager.submit_prefetch_task", "4f7a6a24df02315e"),
             (_L1, "L1Manager.reserve_write", "92aa6693be1b6bf5"),
             (_L1, "L1Manager.delete", "de0bcb0ea8f18113"),
