@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -28,8 +29,40 @@ from . import http
 KVP_VLLM = (sys.executable, "-m", "kvpersist.serving.launcher")
 
 
+#: Where :func:`free_port` looks: below the kernel's ephemeral range, from this port up.
+PORTS_FROM = 10000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections' source and for binds to port 0."""
+    try:
+        low, high = (int(v) for v in EPHEMERAL_RANGE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback TCP port that is free now, for a server the caller starts next.
+
+    Chosen below the ephemeral range, never by binding port 0: a port from that range can be
+    taken, between this call and the server's bind, by the source port of any outgoing
+    connection on the machine (seen: vLLM's start failed with EADDRINUSE while tests ran
+    beside it).  Below it only a server binding that very port can collide; each pick is
+    checked by binding it."""
+    low, _high = ephemeral_ports()
+    if low - PORTS_FROM >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(PORTS_FROM, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as sock:  # a machine whose ephemeral range starts low
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
