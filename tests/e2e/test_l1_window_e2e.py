@@ -4,7 +4,7 @@ streams through L1 (:mod:`kvpersist.serving.lmcache_compat.l1_streaming`).  On t
 restarted stack: a busy L1 (clean objects evicted on demand), two long restores at once, and a
 corrupt file in the middle of a streamed restore.
 
-Cold is the cache files' pages evicted (:func:`kvpersist.testing.slow_disk.evict_page_cache`),
+Cold is the cache files' pages evicted (:func:`kvpersist.admin.page_cache.evict_files`),
 which is what a cold restore reads; a drop of the whole machine's page cache would stall every
 process beside the test for seconds, other tests' included.
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist.admin.page_cache import evict_files
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving import http
@@ -35,7 +36,6 @@ from kvpersist.testing.helpers import (
     wait_for_l2_files,
     wait_for_stored_chat,
 )
-from kvpersist.testing.slow_disk import evict_page_cache
 
 pytestmark = pytest.mark.e2e
 L1_GB = "0.05"
@@ -96,7 +96,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, wide_kv_model: Path) -> Iter
             assert len(files[topic]) == 13
         vllm.stop()
         stop_server(settings)
-        assert evict_page_cache(settings.cache_root) >= len(TOPICS) * 13
+        assert evict_files(settings.cache_root) >= len(TOPICS) * 13
         start_server(settings)
         vllm = VllmProcess(model, pins, tmp / "vllm-2.log", env, max_model_len=MAX_LEN)
         vllm.start()

@@ -18,8 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..admin.page_cache import drop_page_cache
-from ..admin.page_cache import evict_files as evict_page_cache
+from ..admin.page_cache import drop_page_cache, evict_files
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
@@ -51,9 +50,10 @@ class SlowDisk:
         (self.cgroup / "cgroup.procs").write_text(f"{pid}\n")
 
     def evict_files(self) -> int:
-        """Evict the page cache of every file on this disk (:func:`evict_page_cache`): the next
-        reads of them come from the slow device."""
-        return evict_page_cache(self.mount)
+        """Evict the page cache of every file on this disk
+        (:func:`kvpersist.admin.page_cache.evict_files`): the next reads of them come from the
+        slow device."""
+        return evict_files(self.mount)
 
     def set_read_rate(self, bytes_per_s: int) -> None:
         """0 lifts the limit."""

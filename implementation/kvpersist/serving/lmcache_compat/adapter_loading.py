@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import pins
+from .adapters import require
 
 PACKAGE = "lmcache.v1.distributed.l2_adapters"
 SUFFIX = "_l2_adapter"
@@ -55,8 +56,8 @@ def listed_types() -> list[str]:
     """The registered adapter types and those of the modules still pending, none imported."""
     factory = importlib.import_module(f"{PACKAGE}.factory")
     pending = {path.rsplit(".", 1)[-1].removesuffix(SUFFIX)
-               for path in getattr(factory, "_PENDING_MODULES", ())}
-    return sorted(set(getattr(factory, "_L2_ADAPTER_FACTORY_REGISTRY", {})) | pending)
+               for path in require(factory, "_PENDING_MODULES")}
+    return sorted(set(require(factory, "_L2_ADAPTER_FACTORY_REGISTRY")) | pending)
 
 
 def install(lmcache_args: Sequence[str], adapter_values: Iterable[Any]) -> bool:

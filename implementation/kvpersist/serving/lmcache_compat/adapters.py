@@ -39,18 +39,16 @@ def require(obj: Any, name: str) -> Any:
                           "against LMCache 0.5.6)") from None
 
 
-_attribute = require
-
 
 # -- heartbeat and timeouts (both adapters)
 def heartbeat_interval_s(adapter: Any) -> float:
     """Seconds between the adapter's heartbeat pings (``lmcache.mp.heartbeat_interval``)."""
-    return float(_attribute(adapter, "_heartbeat_interval"))
+    return float(require(adapter, "_heartbeat_interval"))
 
 
 def mq_timeout_s(adapter: Any) -> float:
     """The adapter's per-request wait (``lmcache.mp.mq_timeout``)."""
-    return float(_attribute(adapter, "_mq_timeout"))
+    return float(require(adapter, "_mq_timeout"))
 
 
 # -- the worker's transfers in flight (feature load_fence)
@@ -78,12 +76,12 @@ class AdapterView:
 
 def dropped_retrieve_count(adapter: Any) -> int:
     """Retrieves dropped at submit (never sent) that ``get_finished`` has yet to report."""
-    return len(_attribute(adapter, "_dropped_retrieves"))
+    return len(require(adapter, "_dropped_retrieves"))
 
 
 def failed_request_ids(adapter: Any) -> set[str]:
     """Requests whose load ``get_finished`` has reported failed so far (a copy)."""
-    return set(_attribute(adapter, "_failed_request_ids"))
+    return set(require(adapter, "_failed_request_ids"))
 
 
 def healthy_view(adapter: Any) -> AdapterView:
@@ -96,7 +94,7 @@ def drain_view(adapter: Any, retrieves: set[str], stores: set[str]) -> AdapterVi
     """The adapter as if unhealthy and holding only ``retrieves`` and ``stores``: LMCache's
     unhealthy branch of ``get_finished`` then reports exactly those as finished (failed loads,
     dropped stores)."""
-    pending = _attribute(adapter, "_pending_store_kv_events")
+    pending = require(adapter, "_pending_store_kv_events")
     return AdapterView(
         adapter, is_healthy=False, _dropped_retrieves=set(),
         retrieve_futures={r: adapter.retrieve_futures[r] for r in retrieves},
@@ -108,7 +106,7 @@ def drain_view(adapter: Any, retrieves: set[str], stores: set[str]) -> AdapterVi
 
 def forget_transfers(adapter: Any, retrieves: Iterable[str], stores: Iterable[str]) -> None:
     """Remove transfers a :func:`drain_view` call reported from the adapter's own books."""
-    pending = _attribute(adapter, "_pending_store_kv_events")
+    pending = require(adapter, "_pending_store_kv_events")
     for rid in retrieves:
         adapter.retrieve_futures.pop(rid, None)
         adapter.retrieve_events.pop(rid, None)
@@ -139,7 +137,7 @@ def chunk_size_without_server(chunk_size: int) -> Iterator[None]:
 
 def start_scheduler_unhealthy(adapter: Any) -> None:
     """Mark every server unhealthy and start the heartbeat that will notice it answering."""
-    for event in _attribute(adapter, "_health_events").values():
+    for event in require(adapter, "_health_events").values():
         event.clear()
     adapter._ensure_heartbeat_started()
 
@@ -147,7 +145,7 @@ def start_scheduler_unhealthy(adapter: Any) -> None:
 def defer_worker_registration(adapter: Any) -> None:
     """The worker's first KV-cache registration is kept for the heartbeat's recovery callback
     (LMCache's own re-registration path) instead of being sent to a server that is not there."""
-    _attribute(adapter, "_health_event").clear()
+    require(adapter, "_health_event").clear()
 
     def deferred(kv_caches: Any) -> None:
         adapter.kv_caches = kv_caches
@@ -174,7 +172,7 @@ def mark_bypassed(connector: Any, request: Any) -> Any | None:
 # -- the store fence (feature store_fence)
 def transfer_context(adapter: Any) -> Any:
     """The worker adapter's transfer context, or None before the KV caches are registered."""
-    return _attribute(adapter, "transfer_ctx")
+    return require(adapter, "transfer_ctx")
 
 
 def take_inflight_stores(ctx: Any) -> list[Any] | None:
@@ -187,8 +185,8 @@ def take_inflight_stores(ctx: Any) -> list[Any] | None:
 
     if not isinstance(ctx, LMCacheDrivenTransferContext):
         return None
-    with _attribute(ctx, "_inflight_lock"):
-        pending = list(_attribute(ctx, "_inflight_stores"))
+    with require(ctx, "_inflight_lock"):
+        pending = list(require(ctx, "_inflight_stores"))
         ctx._inflight_stores = []
     return pending
 
@@ -208,7 +206,7 @@ _KEY_MARK = "_kvp_request_key"
 def key_new_trackers(connector: Any, key: Callable[[Any, Any], None]) -> None:
     """Have ``key(request, tracker)`` run on every request tracker ``connector`` hands out, before
     LMCache itself uses it (LMCache reaches its trackers only through this method)."""
-    original = _attribute(connector, "_get_or_create_request_tracker")
+    original = require(connector, "_get_or_create_request_tracker")
 
     def keyed(request: Any) -> Any:
         tracker = original(request)
@@ -235,14 +233,14 @@ def mark_tracker(tracker: Any, key: Any) -> None:
 def set_tracker_salt(tracker: Any, salt: str) -> None:
     """The salt every key of ``tracker``'s request is made with (lookup, load, store, lock
     release all read ``tracker.cache_salt``)."""
-    _attribute(tracker, "cache_salt")
+    require(tracker, "cache_salt")
     tracker.cache_salt = salt
 
 
 def store_nothing(tracker: Any) -> None:
     """No chunk of ``tracker``'s request is ever stored (LMCache bounds its stores by
     ``max_offload_tokens``)."""
-    _attribute(tracker, "max_offload_tokens")
+    require(tracker, "max_offload_tokens")
     tracker.max_offload_tokens = 0
 
 
@@ -262,5 +260,5 @@ def finish_bypass(tracker: Any) -> None:
 
 def replace_connector_stats(connector: Any, stats: Any) -> None:
     """``connector``'s stats object (vLLM's /metrics for the connector) becomes ``stats``."""
-    _attribute(connector, "_connector_stats")
+    require(connector, "_connector_stats")
     connector._connector_stats = stats

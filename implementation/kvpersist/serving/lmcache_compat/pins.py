@@ -52,6 +52,8 @@ _VLLM_UTILS = "lmcache.integration.vllm.utils"
 _WORKER_TRANSFER = "lmcache.v1.multiprocess.transfer_context.worker_transfer"
 _L2_CONFIG = "lmcache.v1.distributed.l2_adapters.config"
 _L2_FACTORY = "lmcache.v1.distributed.l2_adapters.factory"
+_EVICTION = "lmcache.v1.distributed.storage_controllers.eviction_controller"
+_LRU = "lmcache.v1.distributed.eviction_policy.lru"
 
 
 @dataclass(frozen=True)
@@ -174,10 +176,8 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
         sources=(
             (_STORAGE, "StorageManager.__init__", "d1310d3b427ae8c7"),
             (_L1, "L1Manager.__init__", "aecaa0faf1069030"),
-            ("lmcache.v1.distributed.storage_controllers.eviction_controller",
-             "L1EvictionController.__init__", "a9c4f751cbbbcda6"),
-            ("lmcache.v1.distributed.eviction_policy.lru", "LRUEvictionPolicy.__init__",
-             "012690187ed9f924"),
+            (_EVICTION, "L1EvictionController.__init__", "a9c4f751cbbbcda6"),
+            (_LRU, "LRUEvictionPolicy.__init__", "012690187ed9f924"),
             (_STORAGE, "StorageManager.submit_prefetch_task", "4f7a6a24df02315e"),
             (_L1, "L1Manager.reserve_write", "92aa6693be1b6bf5"),
             (_L1, "L1Manager.delete", "de0bcb0ea8f18113"),
