@@ -2,7 +2,11 @@
 by the cgroup-v1 ``blkio`` controller for the processes admitted to it.
 
 Only that device is slow: the rest of the machine (Python's libraries included) reads at full
-speed, so a throttled LMCache server starts normally and only its L2 reads crawl.  Needs root,
+speed, so a throttled LMCache server starts normally and only its L2 reads crawl.  The loop
+device's image lives on a private tmpfs, so the throttle is the device's only limit: on the VM
+disk, the loop driver's own reads of the image stalled for seconds behind other writeback while
+the throttle kept dispatching (a CI run saw a restore at 5 MiB/s make no progress for 5 s and
+be bypassed as stalled), which is a property of that machine, not of the restore.  Needs root,
 ``losetup``, ``mkfs.ext4`` and a writable ``/sys/fs/cgroup/blkio``; :func:`unavailable` says
 why not where one is missing.
 """
@@ -74,14 +78,19 @@ class SlowDisk:
 def slow_disk(workdir: Path, *, size_mb: int, read_bytes_per_s: int) -> Iterator[SlowDisk]:
     """A fresh file system of ``size_mb`` at ``workdir/mnt`` reading at ``read_bytes_per_s`` for
     admitted processes; everything is undone on exit (admitted processes must be stopped)."""
-    image, mount = workdir / "slow.img", workdir / "mnt"
+    backing, mount = workdir / "slow-backing", workdir / "mnt"
+    image = backing / "slow.img"
     mount.mkdir(parents=True, exist_ok=True)
-    with image.open("wb") as fh:
-        fh.truncate(size_mb << 20)
-    device = subprocess.run(["losetup", "--find", "--show", str(image)], check=True,
-                            capture_output=True, text=True).stdout.strip()
+    backing.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb + 1}m,mode=0700", "tmpfs",
+                    str(backing)], check=True, capture_output=True)
+    device = ""
     cgroup = BLKIO / f"kvpersist-slow-{uuid.uuid4().hex[:8]}"
     try:
+        with image.open("wb") as fh:
+            fh.truncate(size_mb << 20)
+        device = subprocess.run(["losetup", "--find", "--show", str(image)], check=True,
+                                capture_output=True, text=True).stdout.strip()
         subprocess.run(["mkfs.ext4", "-q", "-F", device], check=True, capture_output=True)
         subprocess.run(["mount", device, str(mount)], check=True, capture_output=True)
         st = os.stat(device)
@@ -97,5 +106,7 @@ def slow_disk(workdir: Path, *, size_mb: int, read_bytes_per_s: int) -> Iterator
             with contextlib.suppress(OSError):
                 cgroup.rmdir()
         subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
-        subprocess.run(["losetup", "-d", device], check=False, capture_output=True)
+        if device:
+            subprocess.run(["losetup", "-d", device], check=False, capture_output=True)
         image.unlink(missing_ok=True)
+        subprocess.run(["umount", "-l", str(backing)], check=False, capture_output=True)
