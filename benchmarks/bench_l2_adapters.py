@@ -28,7 +28,7 @@ from typing import Any
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import free_port
 from kvpersist.serving.lmcache_compat import status as server_status
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import clear_l1
 from kvpersist.testing.lmcache_bench import BenchDriver
 

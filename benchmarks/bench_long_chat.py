@@ -10,7 +10,7 @@ tests/e2e/test_long_conversation_e2e.py (34k tokens, 34 MiB of KV).
         # LMCache's two CPU transports side by side in one run (restored TTFT, /dev/shm left)
     .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 127500 --l1-gb 0.5
         # 131k tokens at 16 KiB/token (2 GiB of KV) through an L1 of 0.5 GiB: the restore
-        # streams through L1 (kvpersist.serving.lmcache_compat.l1_streaming); also a cold raw read of the
+        # streams through L1 (kvpersist.serving.lmcache_compat.l1_window); also a cold raw read of the
         # same files, with the page cache dropped, for comparison
     .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 127500 --l1-gb 0.5 \
         --l2-direct-io true --also-restore-with-direct-io false --also-restore-with-direct-io true
@@ -34,7 +34,7 @@ from typing import Any
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.demo.tiny_model import LONG_CONTEXT, WIDE_KV, Geometry, build_tiny_model
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import (
     adapter_status,
     pins_for_model,

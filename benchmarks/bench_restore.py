@@ -51,10 +51,10 @@ from typing import Any
 
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import free_port
-from kvpersist.serving import server as server_module
 from kvpersist.serving.lmcache_compat import status as server_status
 from kvpersist.serving.pidfile import check_pid_file
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server import lifecycle as server_module
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.lmcache_bench import BenchDriver
 from kvpersist.testing.plot import bar_plot
 from kvpersist.testing.slow_disk import SlowDisk, drop_caches, slow_disk

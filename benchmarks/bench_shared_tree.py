@@ -30,7 +30,7 @@ from typing import Any
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.l2.layout import KeyFields, format_name
 from kvpersist.l2.shared_tree import SharedTree
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing import glusterfs
 from kvpersist.testing.lmcache_bench import BenchDriver
 from kvpersist.testing.slow_disk import drop_caches

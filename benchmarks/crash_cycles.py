@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import free_port
-from kvpersist.serving.server import stop_server
+from kvpersist.serving.server.lifecycle import stop_server
 from kvpersist.testing.crash_cycles import run_cycles
 
 

@@ -12,7 +12,7 @@ import pytest
 from kvpersist.config.environment import apply_to_current_process
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.tiny_model import WIDE_KV, build_tiny_model
-from kvpersist.serving.server import stop_server
+from kvpersist.serving.server.lifecycle import stop_server
 from kvpersist.testing.helpers import kvpersist_settings
 
 # LMCache's client runs inside the test process too (its bench client): telemetry off here as well.

@@ -3,20 +3,28 @@
     atomic, observed_metrics, config → identity → l2 | serving → admin → demo → testing
 
 A module may import from its own package and from packages to its left, never to its right nor
-from a sibling layer (l2 and serving do not know each other); the shims ``kvpersist.connector``
-and ``kvpersist.l2_adapter`` (module paths deployments name) only re-export.
+from a sibling layer (l2 and serving do not know each other); the shim ``kvpersist.connector``
+(the module path vLLM loads) only re-exports.
+
+Inside ``serving`` each process has its folder (``serving/__init__``'s table): ``server``,
+``connector`` (its ``scheduler`` and ``worker`` sides apart) and ``launcher`` never import one
+another; they share the fence (``lmcache_compat``) and the shared modules at ``serving``'s top,
+which import no process folder.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import kvpersist
 
 PACKAGE = Path(kvpersist.__file__).parent
 RANK = {"atomic": 0, "observed_metrics": 0, "config": 0, "identity": 1, "l2": 2, "serving": 2,
-        "admin": 3, "demo": 4, "testing": 5, "connector": 3, "l2_adapter": 3}
+        "admin": 3, "demo": 4, "testing": 5, "connector": 3}
+#: serving's process folders; none imports another.
+PROCESS_FOLDERS = ("server", "connector", "launcher")
 
 
 def layer_of(module: str) -> str:
@@ -72,7 +80,8 @@ def test_data_flows_one_way() -> None:
 def test_the_bottom_layers_import_no_lmcache_or_vllm() -> None:
     """config, identity and the gate run anywhere (kvp-admin on a host without vLLM)."""
     for path in [*PACKAGE.joinpath("config").rglob("*.py"), *PACKAGE.joinpath("identity").rglob(
-            "*.py"), PACKAGE / "serving" / "gate.py", PACKAGE / "serving" / "server.py"]:
+            "*.py"), PACKAGE / "serving" / "connector" / "gate.py",
+            PACKAGE / "serving" / "server" / "lifecycle.py"]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
@@ -139,3 +148,69 @@ def test_no_import_cycles() -> None:
         if node not in state:
             visit(node, [node])
     assert cycle == [], " -> ".join(cycle)
+
+
+MODULES = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(
+    ".__init__") for p in PACKAGE.rglob("*.py")}
+
+
+def serving_part(name: str) -> str:
+    """``serving``'s folder of the module ``name`` is in (``connector.scheduler`` for the
+    connector's sides), or ``shared`` for a module at serving's top."""
+    module = name
+    while module not in MODULES and "." in module:
+        module = module.rpartition(".")[0]
+    parts = module.split(".")[2:]
+    if len(parts) <= 1:
+        return "shared"
+    if parts[0] == "connector" and len(parts) > 2 and parts[1] in ("scheduler", "worker"):
+        return f"connector.{parts[1]}"
+    return parts[0]
+
+
+#: serving's folder -> the folders it may import.
+SERVING_IMPORTS = {
+    "shared": {"shared"},
+    "lmcache_compat": {"shared", "lmcache_compat"},
+    "server": {"shared", "lmcache_compat", "server"},
+    "launcher": {"shared", "launcher"},
+    "connector": {"shared", "lmcache_compat", "connector", "connector.scheduler",
+                  "connector.worker"},
+    "connector.scheduler": {"shared", "lmcache_compat", "connector", "connector.scheduler"},
+    "connector.worker": {"shared", "lmcache_compat", "connector", "connector.worker"},
+}
+
+
+def test_serving_folders_are_processes_that_do_not_import_each_other() -> None:
+    wrong = []
+    for path in PACKAGE.joinpath("serving").rglob("*.py"):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        here = serving_part(module.removesuffix(".__init__"))
+        for target in imports_of(path):
+            if target.startswith("kvpersist.serving.") and (
+                    serving_part(target) not in SERVING_IMPORTS[here]):
+                wrong.append(f"{module} ({here}) imports {target} ({serving_part(target)})")
+    assert wrong == []
+
+
+def test_every_serving_folder_says_which_process_runs_it() -> None:
+    table = (PACKAGE / "serving" / "__init__.py").read_text(encoding="utf-8")
+    folders = sorted(p.parent.name for p in PACKAGE.joinpath("serving").glob("*/__init__.py"))
+    assert folders == ["connector", "launcher", "lmcache_compat", "server"]
+    for folder in folders:
+        assert f"``{folder}/``" in table, folder
+        doc = (PACKAGE / "serving" / folder / "__init__.py").read_text(encoding="utf-8")
+        assert doc.startswith('"""') and len(doc.split('"""')[1]) > 200, folder
+
+
+def test_the_design_describes_the_house_with_the_folders_that_exist() -> None:
+    """docs/design.md's table of processes names every serving folder, and no folder that is
+    gone."""
+    design = (PACKAGE.parents[1] / "docs" / "design.md").read_text(encoding="utf-8")
+    house = design.split("### The house: which process runs what", 1)[1].split("\n### ", 1)[0]
+    named = set(re.findall(r"`serving/([a-z_]+)/", house)) | (
+        {"lmcache_compat"} if "`lmcache_compat/`" in house else set())
+    folders = {p.parent.name for p in PACKAGE.joinpath("serving").glob("*/__init__.py")}
+    assert named == folders
+    for path in re.findall(r"`(serving/[a-z_/]+\.py)`", house):
+        assert (PACKAGE / path).is_file(), path

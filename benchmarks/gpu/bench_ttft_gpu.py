@@ -32,7 +32,7 @@ from typing import Any
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation
 from kvpersist.demo.tiny_model import Geometry, build_tiny_model
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import server_env, wait_for_l2_files
 from kvpersist.testing.slow_disk import drop_caches
 

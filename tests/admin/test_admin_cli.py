@@ -371,7 +371,7 @@ def test_report_and_verify_show_files_per_rank_and_a_missing_rank_makes_a_namesp
 def test_report_names_the_lora_adapters_of_each_namespace(
         root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kvpersist.identity.adapter_records import record_adapter
-    from kvpersist.serving.request_keys import request_salt
+    from kvpersist.serving.connector.request_keys import request_salt
 
     digest = "5" * 64
     store = KvFileStore(root, 10**9)

@@ -12,7 +12,7 @@ import pytest
 
 from kvpersist.admin.cli import main
 from kvpersist.config.server import ServerSettings, load_settings
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import adapter_status as adapter
 from kvpersist.testing.helpers import (
     clear_l1,

@@ -82,11 +82,11 @@ def test_identity_bad_pins_file_is_an_error(tmp_path: Path,
 
 def test_identity_diff_explains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     other = write_pins(tmp_path / "other.env", tensor_parallel_size="4", block_size="16")
-    code, out, _ = run(capsys, "identity", "--diff", str(TINY_PINS), str(other), "--json")
+    code, out, _ = run(capsys, "identity", "diff", str(TINY_PINS), str(other), "--json")
     data = json.loads(out)
     assert code == 0 and not data["same"]
     assert {d["field"] for d in data["differences"]} == {"tensor_parallel_size", "block_size"}
-    code, out, _ = run(capsys, "identity", "--diff", str(TINY_PINS), str(TINY_PINS))
+    code, out, _ = run(capsys, "identity", "diff", str(TINY_PINS), str(TINY_PINS))
     assert "share KV" in out
     code, words, _ = run(capsys, "identity", "diff", str(TINY_PINS), str(other), "--json")
     assert code == 0 and json.loads(words) == data
@@ -96,22 +96,20 @@ def test_identity_diff_explains(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 @pytest.mark.parametrize(("given", "meant"), [
     (["--pins", "p.env"], ["resolve", "--pins", "p.env"]),
-    (["--diff", "a.env", "b.env", "--json"], ["diff", "a.env", "b.env", "--json"]),
-    (["--json", "--diff", "a.env", "b.env"], ["diff", "a.env", "b.env", "--json"]),
-    (["--vllm-args", "m -tp 2", "--write-pins", "out.env", "--force"],
-     ["write-pins", "out.env", "--vllm-args", "m -tp 2", "--force"]),
-    (["--write-pins=out.env", "--model-folder", "m"],
-     ["write-pins", "out.env", "--model-folder", "m"]),
-    (["--namespace", "kvp-x", "--json"], ["show", "kvp-x", "--json"]),
-    (["--server"], ["server"]),
+    ([], ["resolve"]),
     (["diff", "a", "b"], ["diff", "a", "b"]),
     (["--help"], ["--help"]),
 ])
-def test_earlier_identity_flags_become_their_subcommands(given: list[str], meant: list[str]
-                                                         ) -> None:
+def test_without_a_subcommand_identity_resolves(given: list[str], meant: list[str]) -> None:
     from kvpersist.admin.cli.identity_cmd import identity_argv
 
     assert identity_argv(given) == meant
+
+
+def test_a_flag_spelling_of_a_subcommand_is_refused_with_its_name(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "identity", "--diff", str(TINY_PINS), str(TINY_PINS))
+    assert code == 2 and "unrecognized arguments: --diff" in err
 
 
 def test_identity_subcommands_each_teach_their_use(capsys: pytest.CaptureFixture[str]) -> None:
@@ -152,8 +150,7 @@ def test_write_pins_from_folder_and_recipe_matches_the_shipped_pins(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = tiny_folder(tmp_path)
     target = tmp_path / "identity.env"
-    code, out, err = run(capsys, "identity", "--vllm-args", f"{folder} {RECIPE}",
-                         "--write-pins", str(target))
+    code, out, err = run(capsys, "identity", "write-pins", str(target), "--vllm-args", f"{folder} {RECIPE}")
     assert code == 0, err
     assert _pins_values(target) == _pins_values(TINY_PINS)  # every field, build left out
     text = target.read_text()
@@ -164,16 +161,14 @@ def test_write_pins_from_folder_and_recipe_matches_the_shipped_pins(
                        "--json")
     assert code == 0 and json.loads(out)["namespace"] == namespace
     # the same again: unchanged; another recipe: refused without --force, then replaced
-    code, out, _ = run(capsys, "identity", "--vllm-args", f"{folder} {RECIPE}",
-                       "--write-pins", str(target))
+    code, out, _ = run(capsys, "identity", "write-pins", str(target), "--vllm-args", f"{folder} {RECIPE}")
     assert code == 0 and out.startswith("unchanged")
     before = target.read_text()
     other = RECIPE.replace("2048", "1024")
-    code, _, err = run(capsys, "identity", "--vllm-args", f"{folder} {other}",
-                       "--write-pins", str(target))
+    code, _, err = run(capsys, "identity", "write-pins", str(target), "--vllm-args", f"{folder} {other}")
     assert code == 1 and "--force" in err and target.read_text() == before
-    code, out, _ = run(capsys, "identity", "--vllm-args", f"{folder} {other}",
-                       "--write-pins", str(target), "--force")
+    code, out, _ = run(capsys, "identity", "write-pins", str(target), "--vllm-args",
+                       f"{folder} {other}", "--force")
     assert code == 0 and out.startswith("replaced")
     assert str(_pins_values(target)["max_model_len"]) == "1024"
 
@@ -192,14 +187,13 @@ def test_missing_flag_still_shows_every_resolved_value(
     assert set(data["missing"]) == {"tensor_parallel_size", "pipeline_parallel_size"}
     assert data["resolved"]["model_revision"] == REVISION and data["namespace"] is None
     target = tmp_path / "incomplete.env"
-    code, _, err = run(capsys, "identity", "--model-folder", str(folder), "--write-pins",
-                       str(target))
+    code, _, err = run(capsys, "identity", "write-pins", str(target), "--model-folder", str(folder))
     assert code == 1 and "nothing written" in err and "KVP_TP_SIZE" in err
     assert not target.exists()
 
 
 def test_vllm_args_are_read_like_the_launcher_passes_them(tmp_path: Path) -> None:
-    from kvpersist.admin.pins_writer import identity_flags
+    from kvpersist.identity.engine_flags import identity_flags
 
     flags = identity_flags("/models/m --block-size=16 -tp 4 --pipeline-parallel-size 2 "
                            "--max-model-len 32768 --dtype bfloat16 --chat-template 't m.jinja' "
@@ -207,9 +201,9 @@ def test_vllm_args_are_read_like_the_launcher_passes_them(tmp_path: Path) -> Non
     assert (flags.model, flags.block_size, flags.tensor_parallel_size,
             flags.pipeline_parallel_size, flags.max_model_len, flags.dtype,
             flags.chat_template) == ("/models/m", 16, 4, 2, 32768, "bfloat16", "t m.jinja")
-    from kvpersist.admin.pins_writer import PinsError
+    from kvpersist.identity.engine_flags import EngineFlagsError
 
-    with pytest.raises(PinsError, match="--block-size"):
+    with pytest.raises(EngineFlagsError, match="invalid int value: 'sixteen'"):
         identity_flags("--block-size sixteen")
 
 
@@ -241,8 +235,8 @@ def test_write_pins_refuses_bad_input_and_writes_nothing(
         broken.write_text("{% for m in messages %}{{ m['content'] }")
         extra = f" --chat-template {broken}"
     target = tmp_path / "identity.env"
-    code, _, err = run(capsys, "identity", "--vllm-args", f"{RECIPE}{extra}",
-                       "--model-folder", str(folder), "--write-pins", str(target))
+    code, _, err = run(capsys, "identity", "write-pins", str(target), "--vllm-args",
+                       f"{RECIPE}{extra}", "--model-folder", str(folder))
     assert code == 1 and not target.exists(), err
     expected = {"missing folder": "cannot read model config", "no tokenizer": "no tokenizer",
                 "bad template": "chat template cannot be rendered"}[breakage]
@@ -257,15 +251,14 @@ def test_a_recipe_without_tp_or_pp_takes_vllm_s_defaults(
 
     from vllm.engine.arg_utils import EngineArgs
 
-    from kvpersist.admin.pins_writer import VLLM_DEFAULTS
+    from kvpersist.identity.engine_flags import VLLM_DEFAULTS
 
     engine_defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
     assert {name: engine_defaults[name] for name in VLLM_DEFAULTS} == VLLM_DEFAULTS
     folder = tiny_folder(tmp_path)
     target = tmp_path / "identity.env"
     recipe = RECIPE.replace(" -tp 1 -pp 1", "")
-    code, _, err = run(capsys, "identity", "--vllm-args", f"{folder} {recipe}",
-                       "--write-pins", str(target))
+    code, _, err = run(capsys, "identity", "write-pins", str(target), "--vllm-args", f"{folder} {recipe}")
     assert code == 0, err
     assert _pins_values(target) == _pins_values(TINY_PINS)
     code, out, _ = run(capsys, "identity", "--vllm-args", f"{folder} {recipe} -tp 2", "--json")

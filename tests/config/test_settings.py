@@ -111,9 +111,9 @@ def test_a_node_of_a_shared_tree_keeps_its_part_its_share_and_its_state_local(
     assert s.pid_file.parent == run and s.log_file.parent == run  # never on the shared tree
     params = l2_adapter_config(s)["adapter_params"]
     assert params["path"] == str(s.cache_root) and params["shared_tree"] == str(tree)
-    assert params["max_capacity_gb"] == "25"
-    config = KvPersistL2AdapterConfig.from_dict({**params, "max_capacity_gb": 25})
-    assert config.shared_tree == str(tree)
+    assert params["max_capacity_gb"] == 25.0  # typed, not template text
+    config = KvPersistL2AdapterConfig.from_dict(params)  # the adapter reads exactly this back
+    assert config.shared_tree == str(tree) and config.max_capacity_gb == 25.0
     alone = load_settings(environ={"KVP_CACHE_ROOT": str(tree)})
     assert not alone.shared and alone.cache_root == tree and alone.pid_file.parent == tree / "run"
     assert "shared_tree" not in l2_adapter_config(alone)["adapter_params"]

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvpersist.config.server import load_settings
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import clear_l1, server_env, wait_for_l2_files
 from kvpersist.testing.lmcache_bench import BenchDriver
 
@@ -68,7 +68,7 @@ def _vllm_families() -> set[str]:
     import prometheus_client
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from kvpersist.serving.connector_metrics import KvPersistPromMetrics
+    from kvpersist.serving.connector.metrics import KvPersistPromMetrics
 
     registry = CollectorRegistry()
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.config.server import ServerSettings, load_settings
-from kvpersist.serving.server import stop_server
+from kvpersist.serving.server.lifecycle import stop_server
 from kvpersist.testing.helpers import server_env as make_server_env
 
 

@@ -28,7 +28,7 @@ from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving import http
 from kvpersist.serving.lmcache_compat import fault_injection
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import (
     clear_l1,
     l2_files,

@@ -12,7 +12,7 @@ import pytest
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.identity.records import list_records
-from kvpersist.serving.server import start_server
+from kvpersist.serving.server.lifecycle import start_server
 from kvpersist.testing.helpers import TINY_PINS, adapter_status, l2_files, wait_for_l2_files
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ import pytest
 
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
-from kvpersist.serving.server import start_server
+from kvpersist.serving.server.lifecycle import start_server
 from kvpersist.testing.corruption import corrupt_file
 from kvpersist.testing.helpers import TINY_PINS, adapter_status, clear_l1, wait_for_l2_idle
 

@@ -11,7 +11,7 @@ import pytest
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation
 from kvpersist.l2.files import verify_file
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import TINY_PINS, adapter_status, clear_l1, wait_for_l2_idle
 from kvpersist.testing.helpers import server_env as make_server_env
 

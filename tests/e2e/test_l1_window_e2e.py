@@ -1,6 +1,6 @@
 """A conversation whose KV is several times L1 comes back in full from L2, through real vLLM
 and a real LMCache server, after restarting both with the cache files' pages evicted: it
-streams through L1 (:mod:`kvpersist.serving.lmcache_compat.l1_streaming`).  On the same
+streams through L1 (:mod:`kvpersist.serving.lmcache_compat.l1_window`).  On the same
 restarted stack: a busy L1 (clean objects evicted on demand), two long restores at once, and a
 corrupt file in the middle of a streamed restore.
 
@@ -27,7 +27,7 @@ from kvpersist.admin.page_cache import evict_files
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving import http
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import (
     clear_l1,
     l2_files,
@@ -186,7 +186,7 @@ def test_a_corrupt_file_in_a_streamed_restore_cuts_the_hit_at_that_chunk(stack: 
     warm = restore(stack, topic)
     assert_identical(warm, stack.cold[topic])
     # The hit is cut at the bad chunk: the 7 chunks before it, already written, are kept
-    # (kvpersist.serving.served_prefix), and vLLM recomputes from chunk 7 on, as its own log
+    # (kvpersist.serving.connector.worker.served_prefix), and vLLM recomputes from chunk 7 on, as its own log
     # says (the usage's cached_tokens keeps the number planned before the load).
     assert recovered_tokens(stack.vllm.log_path)[len(recovered_before):] == [6 * CHUNK]
     assert server_counter(stack.settings, "kvpersist_restore_cut_short_total") > cut

@@ -29,7 +29,7 @@ import pytest
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving.lmcache_compat import fault_injection
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing import lmcache_log
 from kvpersist.testing.helpers import server_env, wait_for_l2_files, wait_until, write_pins
 from kvpersist.testing.processes import kill_server, server_pid

@@ -10,7 +10,7 @@ import pytest
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.demo.tiny_model import LONG_CONTEXT, build_tiny_model
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import pins_for_model, server_env, wait_for_l2_files
 
 pytestmark = pytest.mark.e2e

@@ -16,8 +16,8 @@ import pytest
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.demo.tiny_model import WIDE_KV
-from kvpersist.serving.connector_metrics import BYPASS_METRIC
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.connector.metrics import BYPASS_METRIC
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing import slow_disk
 from kvpersist.testing.helpers import cache_diagnosis, clear_l1, pins_for_model, server_env, wait_for_l2_files
 from kvpersist.testing.processes import server_pid

@@ -21,8 +21,8 @@ import pytest
 
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation
-from kvpersist.serving.request_keys import RESERVED_PREFIX
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.connector.request_keys import RESERVED_PREFIX
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import TINY_PINS, l2_files, wait_for_l2_files
 from kvpersist.testing.lora import build_random_lora
 

@@ -17,7 +17,7 @@ both processes start again.  Then:
 The model is the tiny one (2 layers, 4 heads, 2 KV heads), so PP=2 is an even split.  On this
 2-core machine vLLM's workers each hold a core and busy-poll while a request waits on the
 server, which stalls the server and the engine's own client threads for 3-20 s at a time: the
-server runs at ``KVP_SERVER_NICE=-10`` (:mod:`kvpersist.serving.cpu_priority`), the heartbeat
+server runs at ``KVP_SERVER_NICE=-10`` (:mod:`kvpersist.serving.server.cpu_priority`), the heartbeat
 is LMCache's 10 s and a lookup waits up to 60 s without progress, so that a stall costs time,
 not the hit this test is about; a cold store dropped in a stall is made good by asking the chat
 again (its stored chunks hit, the missing ones are computed and stored).
@@ -38,7 +38,7 @@ import pytest
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation
 from kvpersist.l2.format import HEADER_SIZE, build_header, parse_header, payload_digest
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.corruption import corrupt_file
 from kvpersist.testing.helpers import chunk_hashes, l2_files, server_env, wait_for_stored_chat
 

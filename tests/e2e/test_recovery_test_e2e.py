@@ -23,7 +23,7 @@ import pytest
 
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import EAGER_ARGS
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing import slow_disk
 from kvpersist.testing.helpers import TINY_PINS, server_env
 

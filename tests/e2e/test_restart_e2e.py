@@ -26,7 +26,7 @@ from kvpersist.identity.records import list_records
 from kvpersist.identity.sources import build_identity, from_model_folder
 from kvpersist.l2.layout import sanitize_model_name
 from kvpersist.serving import http
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import TINY_PINS, l2_files, wait_for_l2_files, write_pins
 
 pytestmark = pytest.mark.e2e
@@ -138,7 +138,7 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
         # "Why no hits?" answered from what is on disk: each engine recorded its identity under
         # the cache root, and kvp-admin names the one field that keeps the namespaces apart.
         engines = {e["namespace"]: e for e in
-                   admin_json(server_env, "identity", "--server")["engines"]}
+                   admin_json(server_env, "identity", "server")["engines"]}
         assert engines[new_namespace]["fields"]["max_model_len"] == 1024, engines
         diff = admin_json(server_env, "identity", "diff", namespace, new_namespace)
         assert [d["field"] for d in diff["differences"]] == ["max_model_len"], diff

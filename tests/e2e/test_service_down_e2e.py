@@ -20,7 +20,7 @@ import pytest
 
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
-from kvpersist.serving.server import start_server
+from kvpersist.serving.server.lifecycle import start_server
 from kvpersist.testing import lmcache_log
 from kvpersist.testing.helpers import TINY_PINS, wait_until
 from kvpersist.testing.processes import kill_server

@@ -31,7 +31,7 @@ import pytest
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, http_json, metric_sum
 from kvpersist.serving.lmcache_compat import fault_injection
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing import lmcache_log
 from kvpersist.testing.helpers import wait_for_l2_files, wait_until, write_pins
 
@@ -42,7 +42,7 @@ BLOCKS = 10  # 9 usable blocks of 128 tokens: two prompts of 3 blocks each, unti
 STOP_S = 30.0
 HEARTBEATS = 2  # the scheduler's and the one worker's
 NO_FENCE = """\
-import kvpersist.serving.store_fence as _f
+import kvpersist.serving.connector.worker.store_fence as _f
 _f.StoreFence.install = lambda self: None
 """
 

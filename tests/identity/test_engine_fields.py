@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from kvpersist.admin.pins_writer import hf_overrides_of, identity_flags
 from kvpersist.identity import FIELDS
 from kvpersist.identity.engine_fields import (
     ENGINE_FIELDS,
@@ -21,6 +20,7 @@ from kvpersist.identity.engine_fields import (
     PerRequest,
     closing_reasons,
 )
+from kvpersist.identity.engine_flags import hf_overrides_of, identity_flags
 from kvpersist.identity.sources import from_model_folder, from_vllm_config
 from kvpersist.serving.lmcache_compat.engine_config import stale_entries, unclassified
 

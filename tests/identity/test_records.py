@@ -12,7 +12,7 @@ from kvpersist.admin.cli import main
 from kvpersist.config.client import ConnectorOptions
 from kvpersist.identity import FIELDS, CacheIdentity, IdentityError, load_pins
 from kvpersist.identity.records import RECORDS_DIR, list_records, read_record, write_record
-from kvpersist.serving.gate import record_identity
+from kvpersist.serving.connector.gate import record_identity
 from kvpersist.testing.helpers import TINY_PINS, free_port
 
 
@@ -84,9 +84,9 @@ def test_kvp_admin_reads_records(tmp_path: Path, capsys: pytest.CaptureFixture[s
     monkeypatch.setenv("KVP_HTTP_PORT", str(free_port()))
     old, new = identity(), identity(tensor_parallel_size=2)
     write_record(tmp_path, old)
-    code, out, _ = run(capsys, "identity", "--namespace", old.namespace, "--json")
+    code, out, _ = run(capsys, "identity", "show", old.namespace, "--json")
     assert code == 0 and json.loads(out)["fields"] == old.as_dict()
-    code, out, _ = run(capsys, "identity", "--namespace", old.namespace)
+    code, out, _ = run(capsys, "identity", "show", old.namespace)
     assert code == 0 and "tensor_parallel_size" in out and old.namespace in out
     # What is on disk against a configuration: the one field that keeps them apart.
     pins = tmp_path / "new.env"
@@ -94,9 +94,9 @@ def test_kvp_admin_reads_records(tmp_path: Path, capsys: pytest.CaptureFixture[s
     code, out, _ = run(capsys, "identity", "diff", old.namespace, str(pins), "--json")
     assert code == 0
     assert json.loads(out)["differences"] == [{"field": "tensor_parallel_size", "a": 1, "b": "2"}]
-    code, _, err = run(capsys, "identity", "--namespace", new.namespace)
+    code, _, err = run(capsys, "identity", "show", new.namespace)
     assert code == 1 and "no identity record" in err
     code, _, err = run(capsys, "identity", "diff", new.namespace, str(pins))
     assert code == 1 and "no identity record" in err
-    code, _, err = run(capsys, "identity", "--server")
+    code, _, err = run(capsys, "identity", "server")
     assert code == 3 and "does not answer" in err

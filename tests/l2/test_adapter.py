@@ -101,10 +101,10 @@ def test_store_task_writes_every_file(adapter: Any) -> None:
     assert adapter.store.check(deep=True) == []
 
 
-@pytest.mark.parametrize("module_path", ["kvpersist.l2.adapter", "kvpersist.l2_adapter"])
-def test_lmcache_loads_the_adapter_by_either_module_path(tmp_path: Path, module_path: str) -> None:
-    """Deployments' configs name ``kvpersist.l2_adapter`` (earlier releases); LMCache's plugin
-    loader finds the same adapter under both paths."""
+def test_lmcache_loads_the_adapter_by_its_plugin_path(tmp_path: Path) -> None:
+    """The plugin path the adapter templates name (``kvpersist.l2.adapter``): LMCache's plugin
+    loader finds the adapter there."""
+    module_path = "kvpersist.l2.adapter"
     from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import (
         PluginL2AdapterConfig,
         _create_plugin_adapter,
@@ -124,9 +124,9 @@ def test_lmcache_loads_the_adapter_by_either_module_path(tmp_path: Path, module_
 
 def test_a_failed_scan_reports_the_adapter_unhealthy_until_it_recovers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpersist.l2 import store as store_module
+    from kvpersist.l2 import scanner as scanner_module
 
-    real, calls = store_module.scan_root, []
+    real, calls = scanner_module.scan_root, []
 
     def failing_once(*args: Any, **kwargs: Any) -> Any:
         calls.append(kwargs.get("walker"))
@@ -134,8 +134,8 @@ def test_a_failed_scan_reports_the_adapter_unhealthy_until_it_recovers(
             raise PermissionError(13, "Permission denied", str(tmp_path))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(store_module, "scan_root", failing_once)
-    monkeypatch.setattr(store_module, "SCAN_RETRY_S", 0.3)
+    monkeypatch.setattr(scanner_module, "scan_root", failing_once)
+    monkeypatch.setattr(scanner_module, "SCAN_RETRY_S", 0.3)
     a = KvPersistL2Adapter(KvPersistL2AdapterConfig.from_dict(
         {"path": str(tmp_path), "max_capacity_gb": 1, "walker": "python"}))
     try:

@@ -15,7 +15,7 @@ from kvpersist.demo.stack import free_port
 from kvpersist.l2.format import HEADER_SIZE
 from kvpersist.l2.layout import QUARANTINE_DIR, format_name, parse_name
 from kvpersist.serving import http
-from kvpersist.serving.server import (
+from kvpersist.serving.server.lifecycle import (
     ServerError,
     server_command,
     server_environment,

@@ -12,7 +12,7 @@ from kvpersist.config.server import ServerSettings
 from kvpersist.l2.files import verify_file
 from kvpersist.l2.format import HEADER_SIZE
 from kvpersist.serving import http
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.crash_cycles import run_cycles
 from kvpersist.testing.helpers import adapter_status as adapter
 from kvpersist.testing.helpers import (

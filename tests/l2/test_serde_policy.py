@@ -18,7 +18,7 @@ from kvpersist.config.adapters import LOSSLESS_SERDES, l2_adapter_config
 from kvpersist.config.server import SettingsError, load_settings
 from kvpersist.l2.files import verify_file
 from kvpersist.l2.format import HEADER_SIZE, build_header, parse_header, payload_digest
-from kvpersist.serving.server import (
+from kvpersist.serving.server.lifecycle import (
     ServerError,
     server_command,
     server_environment,

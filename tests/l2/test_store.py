@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.l2 import inventory
-from kvpersist.l2 import store as store_module
+from kvpersist.l2 import scanner as scanner_module
 from kvpersist.l2.format import HEADER_SIZE, build_header, parse_header, payload_digest
 from kvpersist.l2.layout import QUARANTINE_DIR, FormatError, KeyFields, format_name, parse_name
 from kvpersist.l2.lock import take_root_lock
@@ -194,7 +194,7 @@ def test_stores_wait_for_the_scan_but_lookups_do_not(tmp_path: Path) -> None:
     assert store2.check() == ["the start-up scan has not finished"]
     assert store2.contains(key(1))  # answered from disk while the scan has not run
     assert store2.put(key(2), payload(2)) == "rejected-scanning"
-    store2._scan()
+    store2.scanner.scan_once()
     assert store2.used_bytes == HEADER_SIZE + 8192  # the lookup's entry was not double counted
     assert store2.put(key(2), payload(2)) == "stored"
     assert store2.check() == []
@@ -320,7 +320,7 @@ class FailingScans:
     def __init__(self, failures: int) -> None:
         self.failures = failures
         self.calls = 0
-        self._real = store_module.scan_root
+        self._real = scanner_module.scan_root
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         self.calls += 1
@@ -337,8 +337,8 @@ def test_a_failed_scan_refuses_stores_until_a_scan_succeeds(
     on_disk = first.used_bytes
     first.close()
     scans = FailingScans(failures=2)
-    monkeypatch.setattr(store_module, "scan_root", scans)
-    monkeypatch.setattr(store_module, "SCAN_RETRY_S", 0.2)
+    monkeypatch.setattr(scanner_module, "scan_root", scans)
+    monkeypatch.setattr(scanner_module, "SCAN_RETRY_S", 0.2)
     # room for exactly one more; the walk is what fails here, so no snapshot may stand in for it
     store = KvFileStore(tmp_path, on_disk + HEADER_SIZE + 8192, scan_snapshot=False)
     track(store)

@@ -36,6 +36,8 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
                  "kvpersist/config/templates/l2-adapters.json",
                  "kvpersist/demo/tiny-llama/identity.env", "kvpersist/py.typed"):
         assert data in names, f"{data} is not package data of the wheel"
+    test_support = [n for n in names if n.startswith("kvpersist/testing/")]
+    assert test_support == [], f"the wheel ships test support: {test_support}"
     venv = out / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),

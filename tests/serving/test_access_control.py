@@ -27,7 +27,7 @@ import pytest
 
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.serving import http
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing import foreign_client
 from kvpersist.testing.helpers import clear_l1, server_env, tcp_listeners, wait_for_l2_files
 from kvpersist.testing.lmcache_bench import BenchDriver

@@ -10,9 +10,16 @@ import pytest
 
 from kvpersist.config.client import ConnectorOptions
 from kvpersist.config.server import ServerSettings, load_settings
-from kvpersist.serving.gate import AttachLate, Bypass, CacheOn, Closed, decide, resolve_engine_identity
-from kvpersist.serving.launcher import kv_transfer_config
-from kvpersist.serving.server import start_server
+from kvpersist.serving.connector.gate import (
+    AttachLate,
+    Bypass,
+    CacheOn,
+    Closed,
+    decide,
+    resolve_engine_identity,
+)
+from kvpersist.serving.launcher.kvp_vllm import kv_transfer_config
+from kvpersist.serving.server.lifecycle import start_server
 from kvpersist.testing.helpers import TINY_PINS, write_pins
 
 pytestmark = pytest.mark.integration
@@ -92,7 +99,7 @@ def test_a_malformed_setting_gives_a_working_disabled_connector(tiny_model: Path
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvpersist.connector import KvPersistConnector  # the path deployments name
-    from kvpersist.serving.connector import DisabledKvConnector
+    from kvpersist.serving.connector.kv_connector import DisabledKvConnector
 
     cfg = engine_config(tiny_model, TINY_PINS, extra={"kvpersist.lookup_timeout_s": "soon"})
     conn = KvPersistConnector(cfg, KVConnectorRole.SCHEDULER)
@@ -107,7 +114,7 @@ def test_a_malformed_setting_gives_a_working_disabled_connector(tiny_model: Path
 def test_disabled_connector_reports_no_hits(tiny_model: Path, tmp_path: Path) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvpersist.serving.connector import KvPersistConnector, WorkerGateState
+    from kvpersist.serving.connector.kv_connector import KvPersistConnector, WorkerGateState
 
     pins = write_pins(tmp_path / "bad.env", head_size="64")
     conn = KvPersistConnector(engine_config(tiny_model, pins), KVConnectorRole.SCHEDULER)
@@ -123,7 +130,7 @@ def test_a_closed_worker_closes_its_scheduler(tiny_model: Path, settings: Server
     scheduler whose gate opened closes when a worker's did not (no hit it could not load)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvpersist.serving.connector import KvPersistConnector, WorkerGateState
+    from kvpersist.serving.connector.kv_connector import KvPersistConnector, WorkerGateState
 
     start_server(settings)
     cfg = engine_config(tiny_model, TINY_PINS, settings)
@@ -141,7 +148,8 @@ def test_a_closed_worker_closes_its_scheduler(tiny_model: Path, settings: Server
 def test_gate_names_a_refused_account(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit: the refusal of the admin socket becomes the gate's reason (the refusal itself is
     shown with a real second account in test_access_control.py)."""
-    from kvpersist.serving import gate, http
+    from kvpersist.serving import http
+    from kvpersist.serving.connector import gate
 
     def refuse(url: str, *, timeout: float) -> http.Response:
         raise http.AccessDenied("permission denied on /run/kvpersist/http.sock: this account "
@@ -210,7 +218,7 @@ def test_the_gate_closes_when_an_exactness_patch_does_not_match_lmcache(
     the engine serves uncached, with the reason, although identity and server are fine."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvpersist.serving.connector import KvPersistConnector
+    from kvpersist.serving.connector.kv_connector import KvPersistConnector
     from kvpersist.serving.lmcache_compat import pins
 
     start_server(settings)
@@ -237,7 +245,7 @@ def test_an_engine_setting_nobody_classified_closes_the_gate(
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvpersist.identity import engine_fields
-    from kvpersist.serving.connector import KvPersistConnector
+    from kvpersist.serving.connector.kv_connector import KvPersistConnector
     from kvpersist.serving.lmcache_compat import engine_config as classified
 
     start_server(settings)

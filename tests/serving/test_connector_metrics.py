@@ -3,7 +3,7 @@ cloned, aggregated with another worker's, and observed into Prometheus counters.
 
 from __future__ import annotations
 
-from kvpersist.serving.connector_metrics import (
+from kvpersist.serving.connector.metrics import (
     BYPASSES,
     COUNTERS,
     DROPPED_STORE_METRIC,

@@ -13,8 +13,8 @@ import pytest
 
 from kvpersist.config.server import load_settings
 from kvpersist.config.values import SettingsError
-from kvpersist.serving.cpu_priority import PriorityError, apply_nice
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server.cpu_priority import PriorityError, apply_nice
+from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import server_env
 from kvpersist.testing.processes import server_pid
 
@@ -52,7 +52,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 def test_an_account_without_cap_sys_nice_is_told_what_grants_it() -> None:
     """Run as uid 65534, which may not raise a priority.  The module uses the standard library
     only, so it is copied where that account may read it (a clean clone is not)."""
-    from kvpersist.serving import cpu_priority
+    from kvpersist.serving.server import cpu_priority
 
     base = Path(tempfile.mkdtemp(prefix="kvp-nice-", dir="/tmp"))
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from kvpersist.config.server import load_settings
 from kvpersist.serving.pidfile import PidState, check_pid_file
-from kvpersist.serving.server import is_healthy
+from kvpersist.serving.server.lifecycle import is_healthy
 from kvpersist.testing.helpers import server_env, tcp_listeners
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-""":func:`kvpersist.serving.vllm_client.free_port`: a port below the ephemeral range, where no
+""":func:`kvpersist.serving.launcher.vllm_client.free_port`: a port below the ephemeral range, where no
 outgoing connection's source port can take it before the caller's server binds it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.serving import vllm_client
+from kvpersist.serving.launcher import vllm_client
 
 
 def test_a_port_below_the_ephemeral_range_that_binds() -> None:

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from kvpersist.serving.late_attach import RegistrationWatch
+from kvpersist.serving.connector.scheduler.late_attach import RegistrationWatch
 from kvpersist.serving.lmcache_compat.status import registrations
 
 NS = "kvp-" + "1" * 32

@@ -11,7 +11,7 @@ import pytest
 from kvpersist.config.client import load_launcher_settings
 from kvpersist.config.server import load_settings
 from kvpersist.config.values import SettingsError
-from kvpersist.serving.launcher import (
+from kvpersist.serving.launcher.kvp_vllm import (
     PROMPT_DETAILS_FLAG,
     default_transfer_mode,
     parallel_layout,
@@ -99,5 +99,7 @@ def test_the_parallel_layout_is_read_as_vllm_reads_it() -> None:
     assert parallel_layout([]) == (1, 1)
     assert parallel_layout(["--tensor-parallel-size", "2", "-pp=2"]) == (2, 2)
     assert parallel_layout(["-tp", "4", "--pipeline-parallel-size=1"]) == (4, 1)
-    with pytest.raises(SettingsError, match="-tp 'x'"):
+    with pytest.raises(SettingsError, match="invalid int value: 'x'"):
         parallel_layout(["-tp", "x"])
+    with pytest.raises(SettingsError, match="must be positive"):
+        parallel_layout(["-pp", "0"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.serving import connector as connector_module
+from kvpersist.serving.connector import kv_connector as connector_module
 from kvpersist.serving.lmcache_compat import adapters, pins, status
 
 SOURCES = [(f.name, module, qualname, digest) for f in pins.FEATURES.values()
@@ -132,14 +132,14 @@ def test_a_patch_whose_pins_changed_installs_nothing(monkeypatch: pytest.MonkeyP
     from lmcache.v1.multiprocess.modules import lookup
     from lmcache.v1.multiprocess.transfer_context.pickle import EngineDrivenContextPickle
 
-    from kvpersist.serving.lmcache_compat import l1_streaming, pickle_transport, unix_endpoints
-    from kvpersist.serving.transfer_wait import ServerWait
+    from kvpersist.serving.connector.worker.transfer_wait import ServerWait
+    from kvpersist.serving.lmcache_compat import l1_window, pickle_transport, unix_endpoints
 
     for name in ("l1_window", "pickle_waits", "unix_endpoints"):
         change_pin(monkeypatch, name)
     try:
         lookup_before = lookup.LookupModule.lookup
-        assert l1_streaming.install(1 << 30) is None
+        assert l1_window.install(1 << 30) is None
         assert lookup.LookupModule.lookup is lookup_before
         pickle_transport.uninstall()
         prepare_before = EngineDrivenContextPickle.prepare_retrieve

@@ -17,10 +17,10 @@ import pytest
 from lmcache.integration.vllm.vllm_multi_process_adapter import LMCacheMPWorkerAdapter
 from lmcache.v1.multiprocess.futures import MessagingFuture
 
-from kvpersist.serving.connector_metrics import KvPersistConnectorStats
-from kvpersist.serving.load_fence import FINISHED_METHODS, LoadFence
-from kvpersist.serving.served_prefix import ServedPrefixKeeper
-from kvpersist.serving.server_process import ServerProcess
+from kvpersist.serving.connector.metrics import KvPersistConnectorStats
+from kvpersist.serving.connector.worker.load_fence import FINISHED_METHODS, LoadFence
+from kvpersist.serving.connector.worker.served_prefix import ServedPrefixKeeper
+from kvpersist.serving.connector.worker.server_process import ServerProcess
 
 
 class Clock:

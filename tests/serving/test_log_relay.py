@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from kvpersist.config.server import load_settings
-from kvpersist.serving import http, log_relay
-from kvpersist.serving.log_relay import relay, start_log_relay
+from kvpersist.serving import http
 from kvpersist.serving.pidfile import check_pid_file
-from kvpersist.serving.server import start_server, stop_server
+from kvpersist.serving.server import log_relay
+from kvpersist.serving.server.lifecycle import start_server, stop_server
+from kvpersist.serving.server.log_relay import relay, start_log_relay
 from kvpersist.testing import slow_disk
 from kvpersist.testing.helpers import server_env
 

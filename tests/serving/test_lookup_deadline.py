@@ -11,7 +11,11 @@ from typing import Any
 
 import pytest
 
-from kvpersist.serving.lookup_deadline import LookupDeadline, ServerProgressProbe, progress_token
+from kvpersist.serving.connector.scheduler.lookup_deadline import (
+    LookupDeadline,
+    ServerProgressProbe,
+    progress_token,
+)
 from kvpersist.testing.helpers import wait_until
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvpersist.config.server import SettingsError, load_settings
-from kvpersist.serving.private_paths import PrivatePathError, check_private_file, open_private_log
-from kvpersist.serving.server import ServerError, check_preconditions
+from kvpersist.serving.server.lifecycle import ServerError, check_preconditions
+from kvpersist.serving.server.private_paths import PrivatePathError, check_private_file, open_private_log
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another account needs root")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpersist.serving.request_keys import (
+from kvpersist.serving.connector.request_keys import (
     RESERVED_PREFIX,
     RequestKeys,
     Uncacheable,

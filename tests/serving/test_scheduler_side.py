@@ -1,5 +1,5 @@
 """The scheduler side's reading of LMCache's lookup answers
-(:class:`kvpersist.serving.scheduler_side.SchedulerSide`), with stand-ins for LMCache's
+(:class:`kvpersist.serving.connector.scheduler.side.SchedulerSide`), with stand-ins for LMCache's
 connector and scheduler adapter (our own logic; the e2e tests run it against the real ones)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpersist.config.client import ConnectorOptions
-from kvpersist.serving.connector_metrics import KvPersistConnectorStats
+from kvpersist.serving.connector.metrics import KvPersistConnectorStats
+from kvpersist.serving.connector.scheduler.side import LookupResult, SchedulerSide
 from kvpersist.serving.lmcache_compat import adapters as lmcache_adapters
-from kvpersist.serving.scheduler_side import LookupResult, SchedulerSide
 
 
 @dataclass

@@ -21,7 +21,7 @@ from kvpersist.serving.pidfile import (
     process_start_ticks,
     write_pid_file,
 )
-from kvpersist.serving.server import (
+from kvpersist.serving.server.lifecycle import (
     ServerError,
     check_preconditions,
     server_command,
@@ -82,7 +82,7 @@ def test_command_line_from_settings(tmp_path: Path) -> None:
                      KVP_ZMQ_PORT="6001", KVP_HTTP_PORT="6002", KVP_L2_ADAPTER="nixl_store_dynamic")
     cmd = server_command(s, python="/py")
     # the L1 window's size (KVP_RESTORE_WINDOW_GB=auto: L1/8) is kvpersist's, before LMCache's
-    assert cmd[:7] == ["/py", "-m", "kvpersist.serving.lmcache_entry", "--restore-window-gb",
+    assert cmd[:7] == ["/py", "-m", "kvpersist.serving.server.entry", "--restore-window-gb",
                        "0.125", "--", "server"]
     flags = dict(zip(cmd[7::2], cmd[8::2], strict=True))
     assert flags["--host"] == flags["--http-host"] == "127.0.0.1"
@@ -116,9 +116,9 @@ def test_default_adapter_is_kvpersist_plugin(tmp_path: Path) -> None:
     assert adapter["type"] == "plugin"
     assert (adapter["module_path"], adapter["class_name"]) == (
         "kvpersist.l2.adapter", "KvPersistL2Adapter")
-    assert adapter["adapter_params"] == {
-        "path": str(tmp_path / "root"), "max_capacity_gb": "3", "sharded": "true",
-        "walker": "auto", "walk_threads": "0", "direct_io": "true", "scan_snapshot": "true"}
+    assert adapter["adapter_params"] == {  # typed values, as the settings validated them
+        "path": str(tmp_path / "root"), "max_capacity_gb": 3.0, "sharded": True,
+        "walker": "auto", "walk_threads": 0, "direct_io": True, "scan_snapshot": True}
     assert adapter["persist_enabled"] is True
     assert adapter["eviction"]["trigger_watermark"] == 0.9
     with pytest.raises(SettingsError, match="KVP_L2_SHARDED"):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvpersist.serving.server_process import ServerProcess, listener_of, process
+from kvpersist.serving.connector.worker.server_process import ServerProcess, listener_of, process
 from kvpersist.testing.helpers import wait_until
 
 LISTEN = ("import socket,sys,time; s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from kvpersist.serving.store_fence import StoreFence
+from kvpersist.serving.connector.worker.store_fence import StoreFence
 
 
 class Future:

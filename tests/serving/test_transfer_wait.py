@@ -13,11 +13,11 @@ import time
 import pytest
 
 from kvpersist.config.server import ServerSettings
+from kvpersist.serving.connector.worker.transfer_wait import ServerWait
 from kvpersist.serving.http import refuses_connections
 from kvpersist.serving.lmcache_compat.pickle_transport import REPLACED, install, uninstall
 from kvpersist.serving.pidfile import check_pid_file
-from kvpersist.serving.server import start_server
-from kvpersist.serving.transfer_wait import ServerWait
+from kvpersist.serving.server.lifecycle import start_server
 from kvpersist.testing.helpers import wait_until
 from kvpersist.testing.lmcache_bench import BenchDriver
 from kvpersist.testing.processes import kill_server

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.config.server import ServerSettings, load_settings
-from kvpersist.serving.server import stop_server
+from kvpersist.serving.server.lifecycle import stop_server
 from kvpersist.testing import glusterfs
 from kvpersist.testing.lmcache_bench import BenchDriver
 

@@ -22,7 +22,7 @@ from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.l2.format import HEADER_SIZE
 from kvpersist.l2.lock import root_lock_holder
 from kvpersist.serving.pidfile import check_pid_file
-from kvpersist.serving.server import ServerError, start_server, stop_server
+from kvpersist.serving.server.lifecycle import ServerError, start_server, stop_server
 from kvpersist.testing import glusterfs
 from kvpersist.testing.helpers import (
     adapter_status,

@@ -7,7 +7,7 @@ Invariants
   where LRU eviction brings usage back to once it passes the watermark.
 * The physical ceiling is what the device can hold for the cache: its free space plus the bytes
   the cache already occupies there.  A budget above the ceiling is a promise the disk cannot keep.
-* Usage is always measured from the disk (:mod:`kvpersist.inventory`), never from a server counter.
+* Usage is always measured from the disk (:mod:`kvpersist.l2.inventory`), never from a server counter.
 * A quotas file is validated completely before it is used or written; an invalid file is an error
   naming the problem, never partly applied.
 """

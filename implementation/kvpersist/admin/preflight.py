@@ -19,8 +19,8 @@ from ..config.server import (
     describe_access,
 )
 from ..identity import FIELDS, IdentityError, load_pins
-from ..serving.private_paths import PrivatePathError, check_private_dir
-from ..serving.server import is_healthy, port_is_free
+from ..serving.server.lifecycle import is_healthy, port_is_free
+from ..serving.server.private_paths import PrivatePathError, check_private_dir
 from .budget import BudgetModel, device_ceiling
 from .restore_limits import describe, restore_limits
 from .shared_fs import SHARED_FS, describe_mount, gluster_client_options, mount_options

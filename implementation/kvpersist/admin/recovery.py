@@ -34,9 +34,15 @@ from typing import Any
 from ..config.environment import process_env
 from ..config.server import ServerSettings
 from ..serving import http
+from ..serving.launcher.vllm_client import (
+    KVP_VLLM,
+    StreamedChat,
+    VllmServer,
+    metric_sum,
+    stream_chat,
+)
 from ..serving.lmcache_compat import status as server_status
-from ..serving.server import ServerError, is_healthy, start_server, stop_server
-from ..serving.vllm_client import KVP_VLLM, StreamedChat, VllmServer, metric_sum, stream_chat
+from ..serving.server.lifecycle import ServerError, is_healthy, start_server, stop_server
 from .page_cache import drop_page_cache, evict_files
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"

@@ -14,8 +14,8 @@ import numpy as np
 from ..identity.adapter_records import adapter_names
 from ..l2.inventory import Inventory
 from ..l2.layout import split_model_name
+from ..serving.connector.request_keys import ADAPTER_SALT
 from ..serving.lmcache_compat import status as server_status
-from ..serving.request_keys import ADAPTER_SALT
 from .budget import BudgetModel, over_quota
 from .rank_coverage import RankCoverage, rank_coverage
 

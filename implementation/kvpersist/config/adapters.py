@@ -2,9 +2,11 @@
 
 Invariants
 ----------
-* Templates live in ``l2-adapters.json`` (package data); ``${VAR}`` placeholders are filled
-  from validated :class:`~kvpersist.config.server.ServerSettings` only, so an adapter config never
-  carries an unvalidated value.
+* kvpersist's own adapter is configured by :class:`KvPersistAdapterParams`, typed and derived
+  from validated :class:`~kvpersist.config.server.ServerSettings` only.  LMCache's adapters,
+  kept for the GDS/Weka profile and for benchmarks against the peers, are templates in
+  ``l2-adapters.json`` (package data) whose ``${VAR}`` placeholders are filled from the same
+  settings; neither ever carries an unvalidated value.
 * Every adapter config produced here keeps data on shutdown (``persist_enabled`` true).
 * On a shared tree (``KVP_NODE_ID``) the adapter's ``path`` is this node's part, its capacity
   this node's share of ``KVP_CACHE_BUDGET_GB``, and ``shared_tree`` the tree whose other parts
@@ -17,8 +19,10 @@ Invariants
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +50,55 @@ def _templates(path: Path = ADAPTER_TEMPLATES) -> dict[str, Any]:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
+#: The ``KVP_L2_ADAPTER`` name of kvpersist's own adapter (the default).
+KVPERSIST = "kvpersist"
+
+
+@dataclass(frozen=True)
+class KvPersistAdapterParams:
+    """The ``adapter_params`` of kvpersist's adapter (read back by
+    ``kvpersist.l2.adapter.KvPersistL2AdapterConfig.from_dict``).  ``path`` is this node's part
+    on a shared tree, ``max_capacity_gb`` this node's share of the budget."""
+
+    path: str
+    max_capacity_gb: float
+    sharded: bool
+    walker: str
+    walk_threads: int
+    direct_io: bool
+    scan_snapshot: bool
+    shared_tree: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings) -> KvPersistAdapterParams:
+        return cls(path=str(settings.cache_root), max_capacity_gb=settings.node_budget_gb,
+                   sharded=settings.l2_sharded, walker=settings.walker,
+                   walk_threads=settings.walk_threads, direct_io=settings.l2_direct_io,
+                   scan_snapshot=settings.scan_snapshot,
+                   shared_tree=str(settings.tree) if settings.shared else None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def kvpersist_adapter_config(settings: ServerSettings) -> dict[str, Any]:
+    """LMCache's plugin-adapter config of kvpersist's adapter, with LMCache's LRU eviction at the
+    settings' watermark; data kept on shutdown."""
+    return {
+        "type": "plugin",
+        "module_path": "kvpersist.l2.adapter",
+        "class_name": "KvPersistL2Adapter",
+        "config_class_name": "KvPersistL2AdapterConfig",
+        "adapter_params": KvPersistAdapterParams.from_settings(settings).as_dict(),
+        "persist_enabled": True,
+        "eviction": {"eviction_policy": "LRU",
+                     "trigger_watermark": settings.eviction_watermark,
+                     "eviction_ratio": settings.eviction_ratio},
+    }
+
+
 def known_adapters() -> list[str]:
-    return sorted(_templates())
+    return sorted([KVPERSIST, *_templates()])
 
 
 def _numeric_text(value: float) -> str:
@@ -60,11 +111,6 @@ def _substitutions(settings: ServerSettings) -> dict[str, str]:
         "KVP_CACHE_BUDGET_GB": _numeric_text(settings.node_budget_gb),
         "KVP_EVICTION_WATERMARK": _numeric_text(settings.eviction_watermark),
         "KVP_EVICTION_RATIO": _numeric_text(settings.eviction_ratio),
-        "KVP_L2_SHARDED": "true" if settings.l2_sharded else "false",
-        "KVP_WALKER": settings.walker,
-        "KVP_WALK_THREADS": str(settings.walk_threads),
-        "KVP_L2_DIRECT_IO": "true" if settings.l2_direct_io else "false",
-        "KVP_SCAN_SNAPSHOT": "true" if settings.scan_snapshot else "false",
     }
 
 
@@ -111,15 +157,16 @@ def refuse_lossy_serde(config: Any, where: str) -> None:
 
 def l2_adapter_config(settings: ServerSettings) -> dict[str, Any]:
     """The ``--l2-adapter`` JSON object for ``settings.l2_adapter``."""
-    templates = _templates()
-    if settings.l2_adapter not in templates:
-        raise SettingsError(f"no L2 adapter template named {settings.l2_adapter!r}")
-    config = _fill(templates[settings.l2_adapter], _substitutions(settings))
-    if config.get("persist_enabled") is False:
-        raise SettingsError(f"adapter {settings.l2_adapter!r} has persist_enabled=false")
-    assert isinstance(config, dict)
-    if settings.shared:  # this node's part is the path; the tree is where the others are
-        config["adapter_params"]["shared_tree"] = str(settings.tree)
+    if settings.l2_adapter == KVPERSIST:
+        config = kvpersist_adapter_config(settings)
+    else:
+        templates = _templates()
+        if settings.l2_adapter not in templates:
+            raise SettingsError(f"no L2 adapter template named {settings.l2_adapter!r}")
+        config = _fill(templates[settings.l2_adapter], _substitutions(settings))
+        if config.get("persist_enabled") is False:
+            raise SettingsError(f"adapter {settings.l2_adapter!r} has persist_enabled=false")
+        assert isinstance(config, dict)
     if settings.l2_serde is not None:
         config["serde"] = dict(settings.l2_serde)
         if config["serde"].get("type") in AESGCM_ALIASES:

@@ -78,8 +78,8 @@ class ConnectorOptions:
     #: but never looks up or stores (an A/B switch without changing the recipe).
     bypass: bool = False
     #: The server's chunk size (``KVP_CHUNK_SIZE``): lets an engine started before the server
-    #: attach later (see :mod:`kvpersist.serving.late_attach`); None: the engine must find the
-    #: server at start.
+    #: attach later (see :mod:`kvpersist.serving.connector.scheduler.late_attach`); None: the
+    #: engine must find the server at start.
     chunk_size: int | None = None
 
     @classmethod

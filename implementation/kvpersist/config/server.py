@@ -157,7 +157,7 @@ class ServerSettings:
     tree_root: Path | None = None
     #: L2 bytes one streamed restore loads into L1 per step (0: restores do not stream).
     restore_window_gb: float = 0.0
-    #: The server's nice value (0: inherited); :mod:`kvpersist.serving.cpu_priority`.
+    #: The server's nice value (0: inherited); :mod:`kvpersist.serving.server.cpu_priority`.
     server_nice: int = 0
 
     @property

@@ -26,7 +26,7 @@ from ..identity.records import list_records
 from ..l2.inventory import build_inventory
 from ..l2.layout import sanitize_model_name
 from ..serving import http
-from ..serving.server import start_server, stop_server
+from ..serving.server.lifecycle import start_server, stop_server
 from .stack import ChatResult, VllmProcess, chat, free_port, long_conversation, metric_sum
 from .tiny_model import TINY_PINS, build_tiny_model
 

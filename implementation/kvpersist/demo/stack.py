@@ -2,7 +2,7 @@
 
 Used by the CPU demo and the end-to-end tests, so both exercise exactly what an operator runs
 (``kvp-vllm``, which ``scripts/run-vllm-with-persist.sh`` wraps).  The engine-independent parts
-(the HTTP client, the process handle) are :mod:`kvpersist.serving.vllm_client`.
+(the HTTP client, the process handle) are :mod:`kvpersist.serving.launcher.vllm_client`.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config.environment import process_env
-from ..serving.vllm_client import KVP_VLLM, VllmServer
-from ..serving.vllm_client import ChatResult as ChatResult
-from ..serving.vllm_client import chat as chat
-from ..serving.vllm_client import free_port as free_port
-from ..serving.vllm_client import http_json as http_json
-from ..serving.vllm_client import metric_sum as metric_sum
+from ..serving.launcher.vllm_client import KVP_VLLM, VllmServer
+from ..serving.launcher.vllm_client import ChatResult as ChatResult
+from ..serving.launcher.vllm_client import chat as chat
+from ..serving.launcher.vllm_client import free_port as free_port
+from ..serving.launcher.vllm_client import http_json as http_json
+from ..serving.launcher.vllm_client import metric_sum as metric_sum
 
 LAUNCHER = KVP_VLLM
 SERVED_MODEL_NAME = "tiny"

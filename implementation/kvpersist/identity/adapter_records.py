@@ -1,7 +1,7 @@
 """LoRA adapter records: which adapter each derived salt under the cache root stands for.
 
 A request with a LoRA adapter is keyed under a salt derived from the adapter's content digest
-(``kvpk-lora<tag>-…``, :mod:`kvpersist.serving.request_keys`), so a file name says only the
+(``kvpk-lora<tag>-…``, :mod:`kvpersist.serving.connector.request_keys`), so a file name says only the
 first 12 hex digits of that digest.  When an engine first keys an adapter, it records it as
 ``<cache root>/adapters/<tag>.json`` (the full digest, the names and folders it was served
 under), and ``kvp-admin report`` names the adapters whose files each namespace holds.

@@ -7,7 +7,7 @@ top-level ``VllmConfig`` field by its own name) is exactly one of:
 * :class:`Namespace` -- it changes the KV bytes the engine computes for a token sequence, and
   the namespace fields it names carry it (a change is a new namespace);
 * :class:`PerRequest` -- it changes KV per request (a LoRA adapter, multimodal input, prompt
-  embeddings); the request's key carries it (:mod:`kvpersist.serving.request_keys`);
+  embeddings); the request's key carries it (:mod:`kvpersist.serving.connector.request_keys`);
 * :class:`Neutral` -- it never changes the KV of a token sequence (with the one-line reason);
 * :class:`ClosesGate` -- kvpersist cannot key it: caching stays off unless the field holds
   one of its ``safe`` values (the default that keeps KV unchanged).

@@ -8,8 +8,6 @@ Load it through LMCache's plugin adapter type::
      "persist_enabled": true,
      "eviction": {"eviction_policy": "LRU", "trigger_watermark": 0.9, "eviction_ratio": 0.1}}
 
-(``kvpersist.l2_adapter``, the module path of earlier releases, still names the same classes.)
-
 Invariants (the store's, see :mod:`kvpersist.l2.store`, plus):
 
 * A load task sets a key's bit only when :meth:`KvFileStore.read_into` verified its bytes; a

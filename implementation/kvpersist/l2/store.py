@@ -1,5 +1,6 @@
 """The verified file store behind the kvpersist L2 adapter: a small facade over the layout, the
-file operations, the index and the scan (no LMCache dependency).
+file operations and the index; the scan that fills the index at start is
+:class:`kvpersist.l2.scanner.Scanner` (no LMCache dependency).
 
 Invariants
 ----------
@@ -17,9 +18,9 @@ Invariants
 * **The cap holds when the scan fails**: a scan that raises leaves the index incomplete, so
   stores stay refused (files already on disk are never outside the count), ``scan_error`` says
   why and the adapter reports itself unhealthy; the background scan is tried again
-  (``SCAN_RETRY_S``, doubling up to ``SCAN_RETRY_MAX_S``) until one succeeds, which clears the
-  error.  A scan's entries are added only once it walked the whole tree, and adding is
-  idempotent, so a retry never counts a file twice.
+  (:mod:`kvpersist.l2.scanner`) until one succeeds, which clears the error.  A scan's entries
+  are added only once it walked the whole tree, and adding is idempotent, so a retry never
+  counts a file twice.
 * **One writer per root** (:mod:`kvpersist.l2.lock`).
 * **Shared tree** (``shared_tree``): this store's root is one node's part of a tree several
   nodes mount; keys its index lacks are looked up read-only in the other parts
@@ -40,7 +41,6 @@ import errno
 import logging
 import os
 import stat
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,7 +59,6 @@ from .files import (
 )
 from .format import HEADER_SIZE
 from .index import KeyIndex, KeysCallback, Reservation
-from .inventory import InventoryError, index_of_columns
 from .layout import (
     QUARANTINE_DIR,
     STATE_DIR,
@@ -71,9 +70,10 @@ from .layout import (
     shard_path_parts,
 )
 from .lock import RootLockedError, take_root_lock
-from .scan import scan_root, walk_root
+from .scan import scan_root
+from .scanner import Scanner
 from .shared_tree import SharedTree
-from .snapshot import decode, remove_leftovers, take_snapshot, unchanged, write_snapshot
+from .snapshot import remove_leftovers
 from .stats import StoreStats
 
 __all__ = ["KvFileStore", "RootLockedError", "StoreStats"]
@@ -90,9 +90,6 @@ class _FileRead:
     verify_seconds: float = 0.0
 
 logger = logging.getLogger("kvpersist.l2")
-#: The first wait before a failed background scan is tried again; it doubles up to the max.
-SCAN_RETRY_S = 5.0
-SCAN_RETRY_MAX_S = 60.0
 #: Failures that depend on what the reader expected (the payload length LMCache asked for), so a
 #: quarantined file of that kind may still pass its own checks.
 _READER_DEPENDENT = ("length-mismatch",)
@@ -129,22 +126,15 @@ class KvFileStore:
         self.index = KeyIndex(capacity_bytes, on_added=on_added, on_removed=on_removed)
         self.stats = StoreStats()
         self._lock_fd = -1
-        self._scan_thread: threading.Thread | None = None
-        self._scan_error: str | None = None
-        self._scan_seconds: float | None = None
-        self._scanned_files = 0
-        self._scan_failures = 0
-        self._scan_source: str | None = None  # "snapshot" or "disk", once a scan succeeded
-        #: Adopt and leave index snapshots (a clean restart reads one file, not the tree).
-        self.scan_snapshot = scan_snapshot and shared_tree is None
-        self._closing = threading.Event()
-        self._remove_temps = True
         if walker not in WALKERS:
             raise ValueError(f"unknown walker {walker!r}; one of {', '.join(WALKERS)}")
         if walk_threads < 0:
             raise ValueError(f"walk_threads must be 0 (one per CPU) or positive, got {walk_threads}")
         self.walker = walker
         self.walk_threads = walk_threads
+        self.scanner = Scanner(self.root, self.index, self.stats, sharded=sharded, walker=walker,
+                               walk_threads=walk_threads,
+                               snapshot=scan_snapshot and shared_tree is None)
         # O_DIRECT reads asked for and not (yet) refused by the file system
         self.direct_io = direct_io
         self.shared = None if shared_tree is None else SharedTree(
@@ -160,135 +150,33 @@ class KvFileStore:
     def open(self, *, background_scan: bool = True, remove_temps: bool = True) -> None:
         """Take the root lock and start the scan (names and sizes only).  ``remove_temps=False``
         leaves temp leftovers in place (an operator's :meth:`check` reports them instead)."""
-        self._remove_temps = remove_temps
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / QUARANTINE_DIR).mkdir(mode=0o700, exist_ok=True)
         self._lock_fd = take_root_lock(self.root)
-        if self.scan_snapshot:
+        if self.scanner.snapshot:
             (self.root / STATE_DIR).mkdir(mode=0o700, exist_ok=True)
             remove_leftovers(self.root)
         self._census.count_now()
-        if background_scan:
-            self._scan_thread = threading.Thread(target=self._scan_until_done,
-                                                 name="kvpersist-l2-scan", daemon=True)
-            self._scan_thread.start()
-        else:
-            self._scan()
+        self.scanner.start(background=background_scan, remove_temps=remove_temps)
 
     def close(self) -> None:
-        self._closing.set()
-        if self._scan_thread is not None:
-            self._scan_thread.join(timeout=30)
+        self.scanner.stop()
         if self._lock_fd >= 0:
-            self._leave_snapshot()
+            self.scanner.leave_snapshot()
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
 
-    def _leave_snapshot(self) -> None:
-        """Walk the tree and leave it as the index snapshot for the next start (while the
-        root's lock is held; see :mod:`kvpersist.l2.snapshot`)."""
-        if not self.scan_snapshot or not self.index.complete or self._scan_error is not None:
-            return
-        began = time.monotonic()
-        try:
-            files = write_snapshot(self.root, self.sharded, lambda: walk_root(
-                self.root, sharded=self.sharded, remove_temps=False, walker=self.walker,
-                walk_threads=self.walk_threads))
-        except (OSError, InventoryError) as exc:
-            logger.warning("kvpersist L2: no index snapshot of %s (%s); the next start walks "
-                           "the disk", self.root, exc)
-            return
-        if files is not None:
-            logger.info("kvpersist L2: index snapshot of %s written (%d files, %.2fs)",
-                        self.root, files, time.monotonic() - began)
-
     def wait_scan(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.index.complete:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
+        return self.scanner.wait(timeout)
 
     @property
     def scan_done(self) -> bool:
         return self.index.complete
 
-    def _scan_until_done(self) -> None:
-        """The background scan, tried again after a failure until one succeeds or the store
-        closes (see the module invariants)."""
-        wait = SCAN_RETRY_S
-        while not self._scan() and not self._closing.wait(wait):
-            wait = min(wait * 2, SCAN_RETRY_MAX_S)
-
-    def _scan(self) -> bool:
-        """One scan; True once the index is complete.  A failure keeps it incomplete (stores
-        refused) and records why."""
-        began = time.monotonic()
-        try:
-            adopted = self._adopt_snapshot()
-            if adopted is not None:
-                files, unparsable = adopted
-                self.stats.add(unparsable_names=unparsable)
-                self._scan_source = "snapshot"
-            else:
-                found = scan_root(self.root, sharded=self.sharded,
-                                  remove_temps=self._remove_temps, walker=self.walker,
-                                  walk_threads=self.walk_threads)
-                self.stats.add(temp_removed=found.temp_removed,
-                               unparsable_names=found.unparsable_names)
-                files = found.files
-                self._scan_source = "disk"
-            self._scanned_files = len(files)
-            self.index.adopt_scan(files)  # one step; lookups meanwhile stat the disk
-        except Exception as exc:  # keep serving lookups; refuse stores; report the failure
-            self._scan_failures += 1
-            self._scan_error = f"{type(exc).__name__}: {exc}"
-            self._scan_seconds = time.monotonic() - began
-            logger.exception("kvpersist L2 scan of %s failed (attempt %d); stores are refused "
-                             "until a scan succeeds", self.root, self._scan_failures)
-            return False
-        self._scan_seconds = time.monotonic() - began
-        if self._scan_error is not None:
-            logger.warning("kvpersist L2 scan of %s succeeded after %d failed attempt(s) "
-                           "(last: %s); stores resume", self.root, self._scan_failures,
-                           self._scan_error)
-        self._scan_error = None
-        self.index.mark_complete()
-        logger.info("kvpersist L2 scan of %s (from the %s): %d files, %d bytes, %.2fs",
-                    self.root, self._scan_source, len(self.index), self.index.used_bytes,
-                    self._scan_seconds)
-        return True
-
-    def _adopt_snapshot(self) -> tuple[dict[KeyFields, int], int] | None:
-        """The files (key → size) and unparsable-name count of the snapshot a clean close left, if the
-        tree is provably unchanged since (see :mod:`kvpersist.l2.snapshot`); else None, and the
-        disk is walked.  The snapshot is removed either way: it is used at most once."""
-        if not self.scan_snapshot:
-            return None
-        try:
-            raw = take_snapshot(self.root)
-            if raw is None:
-                return None
-            snap = decode(raw)
-            why = (f"it was written with sharded={snap.sharded}" if snap.sharded != self.sharded
-                   else unchanged(self.root, snap.stamps))
-            if why is None:
-                files = index_of_columns(snap.names, snap.name_end, snap.model_idx,
-                                         snap.model_names, snap.rows, snap.sizes)
-                why = unchanged(self.root, snap.stamps)  # nothing changed meanwhile
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            why = f"{type(exc).__name__}: {exc}"
-        if why is not None:
-            logger.info("kvpersist L2: the index snapshot of %s is not used (%s); walking the "
-                        "disk", self.root, why)
-            return None
-        return files, snap.unparsable_names
-
     @property
     def scan_error(self) -> str | None:
         """Why the last scan failed, while no scan has succeeded; else None."""
-        return self._scan_error
+        return self.scanner.error
 
     # ------------------------------------------------------------------ paths
 
@@ -536,13 +424,9 @@ class KvFileStore:
             "reserved_bytes": reserved,
             "capacity_bytes": self.capacity_bytes,
             "usage_fraction": used / self.capacity_bytes,
-            "scan_done": self.index.complete,
-            "scan_seconds": self._scan_seconds,
-            "scan_source": self._scan_source,
-            "scan_error": self._scan_error,
-            "scan_failures": self._scan_failures,
+            **self.scanner.status(),
             "direct_io": self.direct_io,
-            "scanned_files": self._scanned_files,
+            "scanned_files": self.scanner.files,
             **self.stats.as_dict(),
             "quarantine_files": quarantine_files,
             "quarantine_bytes": quarantine_bytes,
@@ -560,8 +444,8 @@ class KvFileStore:
         ``deep`` also verifies every indexed file's header and checksum.
         """
         problems: list[str] = []
-        if self._scan_error is not None:
-            return [f"the start-up scan failed: {self._scan_error}"]
+        if self.scanner.error is not None:
+            return [f"the start-up scan failed: {self.scanner.error}"]
         if not self.index.complete:
             return ["the start-up scan has not finished"]
         on_disk = scan_root(self.root, sharded=self.sharded, remove_temps=False)

@@ -41,7 +41,7 @@ class PidRecord:
     command: str
     zmq_port: int
     http_port: int
-    #: The server's log relay (:mod:`kvpersist.serving.log_relay`); 0 when there is none
+    #: The server's log relay (:mod:`kvpersist.serving.server.log_relay`); 0 when there is none
     #: (``kvp-server run``, whose output goes to the journal) or the file predates it.
     log_relay_pid: int = 0
     #: ``KVP_NODE_ID`` on a shared tree ("" on one node): which node's part this server holds.

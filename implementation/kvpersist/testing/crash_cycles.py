@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..config.environment import process_env
 from ..config.server import ServerSettings
 from ..l2.files import verify_file
-from ..serving.server import start_server, stop_server
+from ..serving.server.lifecycle import start_server, stop_server
 from .helpers import adapter_status
 from .lmcache_bench import BenchDriver
 from .processes import kill_server

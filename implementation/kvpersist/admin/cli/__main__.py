@@ -1,4 +1,4 @@
-"""``python3 -m kvpersist.cli`` is ``kvp-admin``."""
+"""``python3 -m kvpersist.admin.cli`` is ``kvp-admin``."""
 
 from . import main
 

@@ -1,4 +1,4 @@
-"""``kvp-admin identity``: resolve a configuration's identity and namespace; ``--diff`` explains
+"""``kvp-admin identity``: resolve a configuration's identity and namespace; ``diff`` explains
 field by field why two configurations never share KV (the answer to "why no hits?")."""
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ from ...identity import (
     load_pins,
     merge_sources,
 )
+from ...identity.engine_flags import (
+    EngineFlagsError,
+    IdentityFlags,
+    add_engine_flags,
+    hf_overrides_of,
+    identity_flags,
+)
 from ...identity.records import list_records, read_record
 from ...identity.sources import (
     CONNECTOR_NAME,
@@ -29,12 +36,8 @@ from ...identity.sources import (
     from_model_folder,
 )
 from ..pins_writer import (
-    IdentityFlags,
     PinsError,
-    add_engine_flags,
     check_model_folder,
-    hf_overrides_of,
-    identity_flags,
     overrides,
     render_pins,
     write_pins,
@@ -145,7 +148,7 @@ def cmd_write_pins(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         check_model_folder(found.model_folder, chat_template=found.chat_template_text)
-    except PinsError as exc:
+    except (PinsError, EngineFlagsError) as exc:
         print(f"kvp-admin identity write-pins: {exc}; nothing written", file=sys.stderr)
         return EXIT_ERROR
     if ident is None:
@@ -158,7 +161,7 @@ def cmd_write_pins(args: argparse.Namespace) -> int:
     try:
         outcome = write_pins(target, render_pins(ident, origin=str(found.model_folder)),
                              force=args.force)
-    except (PinsError, OSError) as exc:
+    except (PinsError, EngineFlagsError, OSError) as exc:
         print(f"kvp-admin identity write-pins: {exc}; nothing written", file=sys.stderr)
         return EXIT_ERROR
     if args.json:
@@ -276,28 +279,12 @@ def cmd_identity_diff(args: argparse.Namespace) -> int:
 
 #: The subcommands of ``kvp-admin identity``; without one, ``resolve`` is meant.
 SUBCOMMANDS = ("resolve", "write-pins", "diff", "show", "server")
-#: The flag spellings of earlier versions, and the subcommand each now is.
-LEGACY_FLAGS = {"--write-pins": "write-pins", "--diff": "diff", "--namespace": "show",
-                "--server": "server"}
-
-
 def identity_argv(argv: Sequence[str]) -> list[str]:
     """``kvp-admin identity ...`` arguments with the subcommand made explicit: none given means
-    ``resolve``, and an earlier version's flag (``--diff A B``, ``--write-pins F``,
-    ``--namespace NS``, ``--server``) becomes its subcommand, so existing scripts keep working."""
+    ``resolve`` (argparse names the choices when a word is not one)."""
     words = list(argv)
     if words and (not words[0].startswith("-") or words[0] in ("-h", "--help")):
-        return words  # a subcommand (argparse names the choices if it is not one)
-    for flag, command in LEGACY_FLAGS.items():
-        for i, word in enumerate(words):
-            if word == flag or word.startswith(flag + "="):
-                rest = words[:i] + words[i + 1:]
-                if "=" in word:
-                    rest.insert(i, word.split("=", 1)[1])
-                if command in ("diff", "show", "write-pins"):
-                    take = 2 if command == "diff" else 1
-                    return [command, *rest[i:i + take], *rest[:i], *rest[i + take:]]
-                return [command, *rest]
+        return words
     return ["resolve", *words]
 
 
@@ -330,8 +317,7 @@ def register(sub: Subparsers) -> None:
         "16\" (resolve, as the engine would); kvp-admin identity write-pins "
         "configs/<model>/identity.env --vllm-args \"<the recipe's vLLM arguments>\"; kvp-admin "
         "identity diff a.env b.env (why no hits?); kvp-admin identity show kvp-<ns>; kvp-admin "
-        "identity server. Earlier spellings (--write-pins F, --diff A B, --namespace NS, "
-        "--server) still work.")
+        "identity server.")
     commands = p.add_subparsers(dest="identity_command", required=True, metavar="SUBCOMMAND")
     sources = _source_flags()
     r = commands.add_parser(

@@ -9,7 +9,7 @@ import sys
 
 from ...config.server import SettingsError, access_warning, describe_access
 from ...serving.pidfile import PidFileError
-from ...serving.server import (
+from ...serving.server.lifecycle import (
     ServerError,
     exec_server,
     server_status,

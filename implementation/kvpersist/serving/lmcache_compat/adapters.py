@@ -199,7 +199,7 @@ def synchronize_device() -> None:
 
 
 #: The attribute kvpersist sets on each LMCache request tracker it has keyed: the salt it gave
-#: the tracker, or the :class:`~kvpersist.serving.request_keys.Uncacheable` that stopped it.
+#: the tracker, or the :class:`~kvpersist.serving.connector.request_keys.Uncacheable` that stopped it.
 _KEY_MARK = "_kvp_request_key"
 
 

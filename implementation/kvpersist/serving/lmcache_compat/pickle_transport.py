@@ -1,5 +1,5 @@
 """LMCache's engine_driven pickle transport, waiting by kvpersist's policy
-(:class:`kvpersist.serving.transfer_wait.ServerWait`) instead of one fixed ``mq_timeout``.
+(:class:`kvpersist.serving.connector.worker.transfer_wait.ServerWait`) instead of one fixed ``mq_timeout``.
 
 Invariants
 ----------
@@ -14,15 +14,24 @@ import contextlib
 import pickle
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from ..transfer_wait import ServerWait
 from . import pins
+
+
+class TransferWait(Protocol):
+    """How a worker waits for the server's answers (the connector's
+    :class:`kvpersist.serving.connector.worker.transfer_wait.ServerWait`)."""
+
+    def reply(self, future: Any) -> Any: ...
+
+    def receipt(self, future: Any) -> Any: ...
+
 
 FEATURE = "pickle_waits"
 REPLACED = ("prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve")
 
-_installed: ServerWait | None = None
+_installed: TransferWait | None = None
 _originals: dict[str, Any] = {}
 _install_lock = threading.Lock()
 
@@ -74,7 +83,7 @@ _REPLACEMENTS: dict[str, Callable[..., Any]] = {
     "prepare_retrieve": prepare_retrieve, "commit_retrieve": commit_retrieve}
 
 
-def install(wait: ServerWait) -> bool:
+def install(wait: TransferWait) -> bool:
     """Make LMCache's pickle transport wait by ``wait`` in this process.  Returns False (and
     changes nothing) when LMCache's methods are not the expected ones."""
     global _installed

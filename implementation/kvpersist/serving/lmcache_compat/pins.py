@@ -170,7 +170,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature(
         "l1_window",
         purpose="restores larger than free L1 stream through it in windows; clean L1 objects "
-                "are evicted on demand (lmcache_compat.l1_streaming)",
+                "are evicted on demand (lmcache_compat.l1_window)",
         if_off="LMCache's own restore path: a prefix that does not fit in free L1 gets no "
                "L2 hit",
         sources=(

@@ -4,13 +4,13 @@ abandoned lookup leaves behind.
 vLLM builds one connector per process and role; in the scheduler's this object holds the state
 only the scheduler has (the lookup deadlines, the progress probe, the late-attach watch), as
 vLLM's own ``OffloadingConnectorScheduler`` does.  The worker's part is
-:mod:`kvpersist.serving.worker_side`.
+:mod:`kvpersist.serving.connector.worker.side`.
 
 Invariants
 ----------
 * A lookup is abandoned, and the request bypasses the cache (recomputed, nothing stored), when
   the heartbeat says the server is down, after ``kvpersist.lookup_timeout_s`` without progress,
-  or after ``kvpersist.lookup_max_s`` in all (:mod:`kvpersist.serving.lookup_deadline`).
+  or after ``kvpersist.lookup_max_s`` in all (:mod:`kvpersist.serving.connector.scheduler.lookup_deadline`).
 * Until a late-attaching engine has attached, no lookup is made (no hit is promised) and no
   store is sent.
 * While the heartbeat says the server is down, stores are dropped from the step's metadata
@@ -22,7 +22,7 @@ Invariants
   missed between kvpersist's check and LMCache's) is not an answer; the request waits, under the
   deadline, and asks again.
 * Every request LMCache tracks is keyed before LMCache uses its tracker: its salt is the one
-  :mod:`kvpersist.serving.request_keys` derives (the LoRA adapter's content folded in), or, when
+  :mod:`kvpersist.serving.connector.request_keys` derives (the LoRA adapter's content folded in), or, when
   its KV cannot be keyed exactly, it is neither looked up nor stored (``max_offload_tokens`` 0).
 """
 
@@ -33,25 +33,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..config.client import ConnectorOptions
-from ..identity import CacheIdentity
-from . import http
-from .connector_metrics import KvPersistConnectorStats
+from ....config.client import ConnectorOptions
+from ....identity import CacheIdentity
+from ... import http
+from ...lmcache_compat import adapters as lmcache_adapters
+from ...lmcache_compat import status as server_status
+from ..heartbeat import dead_after_s
+from ..metrics import KvPersistConnectorStats
+from ..request_keys import RequestKeys, Uncacheable
 from .late_attach import RegistrationWatch
-from .lmcache_compat import adapters as lmcache_adapters
-from .lmcache_compat import status as server_status
 from .lookup_deadline import LookupDeadline, ServerProgressProbe
-from .request_keys import RequestKeys, Uncacheable
 
 logger = logging.getLogger("vllm.kvpersist.connector")
 
 LookupResult = tuple[int | None, bool]
 
-
-def dead_after_s(heartbeat_s: float) -> float:
-    """How long the heartbeat must say *unhealthy* without a break before a live-looking
-    server is taken for dead: several missed beats, and never under 5 s."""
-    return max(3 * heartbeat_s, 5.0)
 
 
 class GoneCache:

@@ -103,7 +103,7 @@ def start_log_relay(log_fd: int, *, python: str = sys.executable) -> LogRelay:
         fcntl.fcntl(write_fd, _F_SETPIPE_SZ, PIPE_BYTES)
     try:
         proc = subprocess.Popen(
-            [python, "-m", "kvpersist.serving.log_relay"],
+            [python, "-m", "kvpersist.serving.server.log_relay"],
             stdin=read_fd, stdout=log_fd, stderr=subprocess.DEVNULL,
             start_new_session=True, cwd="/",
         )

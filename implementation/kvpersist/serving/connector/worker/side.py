@@ -3,18 +3,18 @@ transfer into vLLM's KV memory may be reported finished.
 
 vLLM builds one connector per worker process; this object holds what only a worker has, as
 vLLM's own ``OffloadingConnectorWorker`` does.  The scheduler's part is
-:mod:`kvpersist.serving.scheduler_side`.
+:mod:`kvpersist.serving.connector.scheduler.side`.
 
 Invariants
 ----------
 * The worker waits for a restore's KV while the server is alive, up to
   ``kvpersist.lookup_max_s``, and for a store's receipt only while it is healthy; neither once
-  nobody listens at the server's admin socket (:mod:`kvpersist.serving.transfer_wait`).
+  nobody listens at the server's admin socket (:mod:`kvpersist.serving.connector.worker.transfer_wait`).
 * No transfer into vLLM's KV memory is reported finished while the server may still write it
-  (:mod:`kvpersist.serving.load_fence`); a failed load keeps the chunks the server served
-  (:mod:`kvpersist.serving.served_prefix`).
+  (:mod:`kvpersist.serving.connector.worker.load_fence`); a failed load keeps the chunks the server served
+  (:mod:`kvpersist.serving.connector.worker.served_prefix`).
 * Before the forward pass of a step that preempted requests, no store the server may still
-  read out of vLLM's KV memory is in flight (:mod:`kvpersist.serving.store_fence`).
+  read out of vLLM's KV memory is in flight (:mod:`kvpersist.serving.connector.worker.store_fence`).
 * A late-attaching worker keeps its KV caches for registration until the server answers.
 """
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config.client import ConnectorOptions
-from . import http
-from .connector_metrics import KvPersistConnectorStats
-from .lmcache_compat import adapters as lmcache_adapters
-from .lmcache_compat import pickle_transport
+from ....config.client import ConnectorOptions
+from ... import http
+from ...lmcache_compat import adapters as lmcache_adapters
+from ...lmcache_compat import pickle_transport
+from ..heartbeat import dead_after_s
+from ..metrics import KvPersistConnectorStats
 from .load_fence import LoadFence
-from .scheduler_side import dead_after_s
 from .served_prefix import ServedPrefixKeeper
 from .store_fence import StoreFence
 from .transfer_wait import ServerWait, never_gone

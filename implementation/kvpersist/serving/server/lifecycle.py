@@ -8,14 +8,14 @@ Invariants
   (:func:`kvpersist.config.environment.process_env`) and umask 0077; its output goes to
   ``KVP_CACHE_ROOT/lmcache-server.log``.
 * With ``KVP_ACCESS=unix`` (the default) it listens only on the two sockets in the runtime
-  directory (:mod:`kvpersist.serving.lmcache_entry`); with ``tcp`` on ``KVP_BIND_HOST`` ports.
+  directory (:mod:`kvpersist.serving.server.entry`); with ``tcp`` on ``KVP_BIND_HOST`` ports.
 * The cache root, the runtime directory, the pid file and the log are private to the server's
-  account (:mod:`kvpersist.serving.private_paths`): created so, and refused with a fix-it
+  account (:mod:`kvpersist.serving.server.private_paths`): created so, and refused with a fix-it
   message when they are not.
 * A background server writes its output into a pipe drained by its log relay
-  (:mod:`kvpersist.serving.log_relay`): no server thread waits on the log's device.
+  (:mod:`kvpersist.serving.server.log_relay`): no server thread waits on the log's device.
 * The pid file names one process by pid *and* start time; stop never signals a process
-  that is not the recorded one (see :mod:`kvpersist.pidfile`).
+  that is not the recorded one (see :mod:`kvpersist.serving.pidfile`).
 * ``start`` returns only once ``/healthcheck`` answers 200, or fails and leaves no process
   and no pid file behind.
 """
@@ -37,15 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..config.adapters import l2_adapter_config
-from ..config.environment import process_env
-from ..config.paths import STATE_DIR_NAME
-from ..config.server import NODES_DIR_NAME, ServerSettings, access_warning, node_part_names
-from . import http
-from .lmcache_compat.status import PATH as STATUS_PATH
-from .lmcache_entry import SocketPathError, clear_stale_socket, remove_socket
-from .log_relay import start_log_relay
-from .pidfile import (
+from ...config.adapters import l2_adapter_config
+from ...config.environment import process_env
+from ...config.paths import STATE_DIR_NAME
+from ...config.server import NODES_DIR_NAME, ServerSettings, access_warning, node_part_names
+from .. import http
+from ..lmcache_compat.status import PATH as STATUS_PATH
+from ..pidfile import (
     PidRecord,
     PidState,
     PidStatus,
@@ -55,13 +53,15 @@ from .pidfile import (
     wait_exited,
     write_pid_file,
 )
+from ..shm_sweep import sweep_stale_segments
+from .entry import SocketPathError, clear_stale_socket, remove_socket
+from .log_relay import start_log_relay
 from .private_paths import (
     PrivatePathError,
     check_private_file,
     ensure_private_dir,
     open_private_log,
 )
-from .shm_sweep import sweep_stale_segments
 
 HTTP_TIMEOUT_S = http.DEFAULT_TIMEOUT_S
 #: How long stop (or a failed start) waits for the log relay to write the server's last lines.
@@ -76,7 +76,7 @@ class ServerError(RuntimeError):
 #: endpoints on Unix-domain sockets unless KVP_ACCESS=tcp): the server imports the kvpersist
 #: adapter from the same environment as the tool that starts it (an ``lmcache`` console script
 #: on PATH could belong to another).
-POLICY_ENTRY = ("-m", "kvpersist.serving.lmcache_entry")
+POLICY_ENTRY = ("-m", "kvpersist.serving.server.entry")
 
 
 def lmcache_python() -> str:
@@ -282,7 +282,7 @@ def _pid_record(pid: int, settings: ServerSettings, log_relay_pid: int = 0) -> P
 
 def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = None) -> StartResult:
     """Start the server in the background and wait for ``/healthcheck``.  Its output reaches
-    the log through a relay (:mod:`kvpersist.serving.log_relay`), so the server never waits on
+    the log through a relay (:mod:`kvpersist.serving.server.log_relay`), so the server never waits on
     the log's device."""
     stale = _prepare_start(settings)
     sweep_stale_segments()  # what earlier CPU lmcache_driven runs left in /dev/shm

@@ -11,8 +11,8 @@ Invariants
   - nobody listens at the server's socket (``gone``: a killed server), at once;
   - the connector's heartbeat has said the server is unhealthy for ``dead_after_s`` seconds
     without a break, and no progress was seen in that time (the liveness rule of
-    :mod:`kvpersist.serving.transfer_wait`: a server busy loading gigabytes, or starved of CPU
-    by its engine's workers, misses 2 s beats; a missed beat is not a death);
+    :mod:`kvpersist.serving.connector.worker.transfer_wait`: a server busy loading gigabytes,
+    or starved of CPU by its engine's workers, misses 2 s beats; a missed beat is not a death);
   - ``stall_s`` seconds passed since the later of its start and the server's last progress;
   - ``max_s`` seconds passed since its start (a ceiling, whatever the progress).
 * Progress is any change of the server's load counters (:func:`progress_token`: bytes the L2
@@ -37,8 +37,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import http
-from .lmcache_compat.status import progress_token
+from ... import http
+from ...lmcache_compat.status import progress_token
 
 Clock = Callable[[], float]
 

@@ -25,7 +25,7 @@ from lmcache.integration.vllm.lmcache_mp_metrics import (
     LMCacheMPPromMetrics,
 )
 
-from .load_fence import FAILED_LOAD_REASONS
+from .worker.load_fence import FAILED_LOAD_REASONS
 
 BYPASSES = "kvpersist_bypasses"
 #: server_down: the server's socket refuses, or the heartbeat said unhealthy for several
@@ -43,7 +43,7 @@ UNCACHED = "kvpersist_uncached_requests"
 UNCACHED_METRIC = "vllm:kvpersist_uncached_requests_total"
 #: prompt_embeds: the request carries prompt embeddings (no content key); lora_not_local,
 #: lora_unreadable, lora_changed: its LoRA adapter cannot be keyed by content
-#: (:mod:`kvpersist.serving.request_keys`).
+#: (:mod:`kvpersist.serving.connector.request_keys`).
 UNCACHED_REASONS = ("prompt_embeds", "lora_not_local", "lora_unreadable", "lora_changed")
 #: What each labelled counter of these stats is: data key -> (metric, reasons, help text).
 COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {

@@ -6,7 +6,7 @@ server-side extension: it refuses a lossy ``serde`` in any ``--l2-adapter`` and,
 socket paths, changes *where* the two endpoints listen; then it runs LMCache's own command line
 unchanged::
 
-    python -m kvpersist.serving.lmcache_entry [--request-socket P --http-socket P \\
+    python -m kvpersist.serving.server.entry [--request-socket P --http-socket P \\
         [--socket-mode 0600] [--socket-group G]] -- server <lmcache server arguments>
 
 Invariants
@@ -20,7 +20,7 @@ Invariants
 * Each socket file gets ``--socket-mode`` (and ``--socket-group``) before the server answers
   on it; the process umask is 0077, so everything else the server creates (L2 files, logs) is
   private to its account.  Access is decided by the runtime directory that holds the sockets
-  (see :mod:`kvpersist.serving.private_paths`); the socket modes are a second line.
+  (see :mod:`kvpersist.serving.server.private_paths`); the socket modes are a second line.
 * A socket path that exists is replaced only when it is a socket (a stale one of a dead server;
   the launcher has already proven no server runs); a symlink or any other file is refused.
 """
@@ -38,10 +38,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config.adapters import refuse_lossy_serde
-from ..config.values import SettingsError
+from ...config.adapters import refuse_lossy_serde
+from ...config.values import SettingsError
+from ..lmcache_compat import fault_injection, pins, unix_endpoints
 from . import cpu_priority
-from .lmcache_compat import fault_injection, pins, unix_endpoints
 
 
 class SocketPathError(RuntimeError):
@@ -134,7 +134,7 @@ def adapter_arguments(lmcache_args: Sequence[str]) -> list[Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m kvpersist.serving.lmcache_entry",
+        prog="python -m kvpersist.serving.server.entry",
         description="Run `lmcache server` with its request (ZMQ) and admin (HTTP) endpoints on "
                     "Unix-domain sockets. Arguments after `--` are LMCache's own.")
     parser.add_argument("--request-socket", type=Path,
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="gid given to both socket files")
     parser.add_argument("--nice", type=int, default=0,
                         help="the server's nice value, -20..19, set before LMCache starts a "
-                             "thread (KVP_SERVER_NICE; see kvpersist.serving.cpu_priority)")
+                             "thread (KVP_SERVER_NICE; see kvpersist.serving.server.cpu_priority)")
     parser.add_argument("--restore-window-gb", type=float, default=None,
                         help="install kvpersist's L1 window (eviction of clean L1 objects on "
                              "demand, restores larger than L1 streamed in windows of this many "
@@ -186,9 +186,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.restore_window_gb is not None:
         if args.restore_window_gb < 0:
             parser.error("--restore-window-gb must be 0 or positive")
-        from .lmcache_compat import l1_streaming
+        from ..lmcache_compat import l1_window
+        from . import restore_metrics
 
-        l1_streaming.install(int(args.restore_window_gb * 2**30))
+        window = l1_window.install(int(args.restore_window_gb * 2**30))
+        if window is not None:
+            restore_metrics.bind(window.stats.snapshot)
     if args.request_socket is not None:
         try:
             install(args.request_socket, args.http_socket, args.socket_mode, args.socket_group)
@@ -199,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvpersist: LMCache endpoints on unix sockets {args.request_socket} (request) "
               f"and {args.http_socket} (admin), mode {args.socket_mode:04o}",
               file=sys.stderr, flush=True)
-    from .lmcache_compat import adapter_loading
+    from ..lmcache_compat import adapter_loading
 
     adapter_loading.install(lmcache_args, adapter_arguments(lmcache_args))
     from lmcache.cli.main import main as lmcache_main

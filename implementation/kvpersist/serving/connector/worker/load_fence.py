@@ -13,7 +13,8 @@ Invariants
   - the server settled it (its reply came; on a GPU also its completion event): it is then
     judged by its result, exactly as LMCache judges it with a healthy heartbeat, so a restore
     that a busy server finished while its beats were late is a hit, not a recompute;
-  - the process it was sent to is gone (:class:`~kvpersist.serving.server_process.ServerProcess`:
+  - the process it was sent to is gone
+    (:class:`~kvpersist.serving.connector.worker.server_process.ServerProcess`:
     exited, zombie, or its pid now names a later process), or, where that process could not
     be named (a TCP admin URL, another pid namespace), nobody listens at the server's socket:
     it can write no more, and the transfer is reported failed (a recompute).
@@ -25,10 +26,10 @@ Invariants
 * A transfer never sent (dropped at submit while unhealthy) is reported at once, as LMCache
   does: it cannot write.
 * A load the server answered failed after writing its first chunks keeps those chunks
-  (:mod:`kvpersist.serving.served_prefix`): only the blocks from the failed chunk on are
+  (:mod:`kvpersist.serving.connector.worker.served_prefix`): only the blocks from the failed chunk on are
   load errors.
 * ``engine_driven`` needs no fence: the worker itself copies a reply into its KV memory, so a
-  reply given up (:mod:`kvpersist.serving.transfer_wait`) is never written.
+  reply given up (:mod:`kvpersist.serving.connector.worker.transfer_wait`) is never written.
 
 The fence is installed per worker adapter instance; it replaces no LMCache code, it calls
 LMCache's own method on a view of the adapter
@@ -43,8 +44,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import http
-from .lmcache_compat import adapters as lmcache_adapters
+from ... import http
+from ...lmcache_compat import adapters as lmcache_adapters
 from .served_prefix import ServedPrefixKeeper
 from .server_process import ServerProcess, listener_of
 
@@ -192,7 +193,7 @@ class LoadFence:
 
     def _keep_served(self, retrieving: dict[str, list[int]], failed_before: set[str]) -> None:
         """Loads the server just answered failed keep the chunks it served
-        (:mod:`kvpersist.serving.served_prefix`); loads of a gone server never reach here."""
+        (:mod:`kvpersist.serving.connector.worker.served_prefix`); loads of a gone server never reach here."""
         if self._keeper is None:
             return
         failed = {rid: retrieving[rid] for rid in lmcache_adapters.failed_request_ids(self._adapter)

@@ -32,8 +32,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import http
-from .lmcache_compat.status import registrations
+from ... import http
+from ...lmcache_compat.status import registrations
 
 logger = logging.getLogger("vllm.kvpersist.late_attach")
 

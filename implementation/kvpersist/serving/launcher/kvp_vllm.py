@@ -12,7 +12,7 @@ Invariants
   (``KVP_BIND_HOST``, ``KVP_ZMQ_PORT``), so the two cannot drift apart.
 * A dead cache service is noticed within ``KVP_HEARTBEAT_S`` (default 2 s; LMCache's default is
   10 s); a lookup is abandoned after ``KVP_LOOKUP_TIMEOUT_S`` (5 s) without progress, or after
-  ``KVP_LOOKUP_MAX_S`` (600 s) in all (:mod:`kvpersist.serving.lookup_deadline`); blocking
+  ``KVP_LOOKUP_MAX_S`` (600 s) in all (:mod:`kvpersist.serving.connector.scheduler.lookup_deadline`); blocking
   LMCache calls (registration, shutdown) give up after ``KVP_MQ_TIMEOUT_S`` (15 s; LMCache: 300 s).
 * The transfer mode is LMCache's zero-copy ``lmcache_driven`` (``auto`` with CUDA), and on a
   machine without CUDA ``engine_driven`` (pickled) where ``/dev/shm`` cannot hold every
@@ -40,11 +40,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config.client import CONNECTOR_CLASS, CONNECTOR_MODULE, LauncherSettings, load_launcher_settings
-from ..config.environment import process_env
-from ..config.server import ServerSettings, load_settings
-from ..config.values import SettingsError
-from .shm_sweep import SHM_DIR, sweep_stale_segments
+from ...config.client import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    LauncherSettings,
+    load_launcher_settings,
+)
+from ...config.environment import process_env
+from ...config.server import ServerSettings, load_settings
+from ...config.values import SettingsError
+from ...identity.engine_flags import EngineFlagsError, identity_flags
+from ..shm_sweep import SHM_DIR, sweep_stale_segments
 
 VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")  # `vllm serve` needs a dist named vllm
 PROMPT_DETAILS_FLAG = "--enable-prompt-tokens-details"
@@ -58,20 +64,17 @@ PROVEN_CPU_LMCACHE_DRIVEN = ((1, 1), (2, 1), (1, 2))
 
 
 def parallel_layout(args: Sequence[str]) -> tuple[int, int]:
-    """(tensor, pipeline) parallel size a vLLM argument list asks for; vLLM's default is 1."""
-    sizes = {"tp": 1, "pp": 1}
-    names = {"-tp": "tp", "--tensor-parallel-size": "tp",
-             "-pp": "pp", "--pipeline-parallel-size": "pp"}
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if flag not in names:
-            continue
-        if not eq:
-            value = args[i + 1] if i + 1 < len(args) else ""
-        if not value.isdigit() or int(value) < 1:
-            raise SettingsError(f"{flag} {value!r} is not a positive number")
-        sizes[names[flag]] = int(value)
-    return sizes["tp"], sizes["pp"]
+    """(tensor, pipeline) parallel size a vLLM argument list asks for, read by the one parser
+    of the identity flags (:func:`kvpersist.identity.engine_flags.identity_flags`); vLLM's
+    default is 1."""
+    try:
+        flags = identity_flags(list(args))
+    except EngineFlagsError as exc:
+        raise SettingsError(str(exc)) from None
+    layout = (int(flags.tensor_parallel_size or 0), int(flags.pipeline_parallel_size or 0))
+    if min(layout) < 1:
+        raise SettingsError(f"-tp {layout[0]} -pp {layout[1]}: parallel sizes must be positive")
+    return layout
 
 
 def default_transfer_mode(environ: Mapping[str, str] | None = None,

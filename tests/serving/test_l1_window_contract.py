@@ -1,12 +1,13 @@
 """The L1 window's hooks keep what LMCache's server needs of its handlers (see
-:mod:`kvpersist.serving.lmcache_compat.l1_streaming`; its pinned sources are checked in
+:mod:`kvpersist.serving.lmcache_compat.l1_window`; its pinned sources are checked in
 ``test_lmcache_compat.py``)."""
 
 from __future__ import annotations
 
 import inspect
 
-from kvpersist.serving.lmcache_compat import l1_streaming
+from kvpersist.serving.lmcache_compat import l1_window
+from kvpersist.serving.lmcache_compat.l1_window.route import add_served_route
 
 
 def test_the_hooks_keep_lmcache_handler_registration() -> None:
@@ -30,7 +31,7 @@ def test_the_hooks_keep_lmcache_handler_registration() -> None:
     saved[(ed.EngineDrivenTransferModule, "register_kv_cache_engine_driven_context")] = (
         ed.EngineDrivenTransferModule.register_kv_cache_engine_driven_context)
     try:
-        l1_streaming.install(1 << 30)
+        l1_window.install(1 << 30)
         for cls, name in saved:
             if name.startswith("_"):
                 continue
@@ -51,8 +52,8 @@ def test_the_served_prefix_route_answers_on_lmcache_http_app() -> None:
     from fastapi.testclient import TestClient
 
     app = FastAPI()
-    window = l1_streaming.L1Window(2**20)
-    l1_streaming._add_served_route(window, app)
+    window = l1_window.WindowState(2**20)
+    add_served_route(window, app)
     client = TestClient(app)
     assert client.get("/kvpersist/restores/7/chatcmpl-a%2Fb").status_code == 404
     window.served.record("chatcmpl-a/b", 7, 3)

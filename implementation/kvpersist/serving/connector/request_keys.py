@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..identity.adapter_records import TAG_LEN
-from ..identity.engine_fields import ENGINE_FIELDS, PerRequest
+from ...identity.adapter_records import TAG_LEN
+from ...identity.engine_fields import ENGINE_FIELDS, PerRequest
 
 logger = logging.getLogger("vllm.kvpersist.connector")
 

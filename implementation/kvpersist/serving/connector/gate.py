@@ -7,7 +7,7 @@ Invariants
   problem, but the server is not contacted.
 * A server that does not answer at start closes the gate only when the server's chunk size is
   unknown (``kvpersist.chunk_size``, written by the launcher); otherwise the decision is
-  "attach late" (:mod:`kvpersist.serving.late_attach`).
+  "attach late" (:mod:`kvpersist.serving.connector.scheduler.late_attach`).
 * Fail closed: caching is on only if the connector options parse, no engine setting that
   kvpersist cannot key is set (:mod:`kvpersist.identity.engine_fields`), the identity derived
   from the running engine is complete and agrees with the pins, and the LMCache server answers;
@@ -16,7 +16,7 @@ Invariants
   off and vLLM keeps serving.
 * The same inputs give the same decision in every process of an engine (scheduler and each
   worker); where the server's answer differs between them, the connector reconciles through
-  vLLM's worker→scheduler handshake (see :mod:`kvpersist.serving.connector`).
+  vLLM's worker→scheduler handshake (see :mod:`kvpersist.serving.connector.kv_connector`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ..config.client import ConnectorOptions
-from ..config.values import SettingsError
-from ..identity import CacheIdentity, IdentityError, IdentityResolution, load_pins, merge_sources
-from ..identity.engine_fields import closing_reasons
-from ..identity.records import write_record
-from ..identity.sources import from_vllm_config
-from . import http
+from ...config.client import ConnectorOptions
+from ...config.values import SettingsError
+from ...identity import CacheIdentity, IdentityError, IdentityResolution, load_pins, merge_sources
+from ...identity.engine_fields import closing_reasons
+from ...identity.records import write_record
+from ...identity.sources import from_vllm_config
+from .. import http
 
 SERVER_PROBE_TIMEOUT_S = 2.0
 

@@ -5,14 +5,14 @@ vLLM loads it with ``--kv-transfer-config`` ``{"kv_connector": "KvPersistConnect
 ``kvpersist.*`` extra-config keys are parsed by :class:`kvpersist.config.client.ConnectorOptions`.
 
 Shape: composition.  :class:`KvPersistConnector` is the class vLLM instantiates; in ``__init__``
-the gate (:mod:`kvpersist.serving.gate`) chooses what it holds in ``inner``: a
+the gate (:mod:`kvpersist.serving.connector.gate`) chooses what it holds in ``inner``: a
 :class:`NamespacedLMCacheConnector` (caching on) or a :class:`DisabledKvConnector` (off), and
 every method of vLLM's connector API forwards to it (the forwarders are generated from
 ``KVConnectorBase_V1`` so that none is missed; they are the only forwarding).  vLLM calls a
 few class methods on the class itself before any instance exists (layout, stats, Prometheus
 metrics); they are LMCache's.  kvpersist's additions are split by role, as in vLLM's
-``OffloadingConnector``: :class:`~kvpersist.serving.scheduler_side.SchedulerSide` in the
-scheduler's connector, :class:`~kvpersist.serving.worker_side.WorkerSide` in each worker's.
+``OffloadingConnector``: :class:`~kvpersist.serving.connector.scheduler.side.SchedulerSide` in the
+scheduler's connector, :class:`~kvpersist.serving.connector.worker.side.WorkerSide` in each worker's.
 LMCache's internals are reached only through :mod:`kvpersist.serving.lmcache_compat`; when a
 pinned internal that exactness depends on changed, the gate closes.
 
@@ -33,15 +33,16 @@ Invariants
   connector before serving starts); a scheduler that learns of a closed worker closes too.  No
   state is kept outside the processes.
 * **An engine started before the cache server attaches by itself** once the server answers and
-  lists the engine's workers as registered (:mod:`kvpersist.serving.late_attach`); until then it
-  serves uncached and promises no hit.
+  lists the engine's workers as registered
+  (:mod:`kvpersist.serving.connector.scheduler.late_attach`); until then it serves uncached
+  and promises no hit.
 * **A dead or stalled cache service never stalls serving; a long restore is never abandoned
   while it progresses.**  A lookup (which includes the L2→L1 load) is abandoned, and the request
   recomputed, when the heartbeat says the server is down, after ``kvpersist.lookup_timeout_s``
   without progress, or after ``kvpersist.lookup_max_s`` in all
-  (:mod:`kvpersist.serving.lookup_deadline`).  LMCache's heartbeat marks the server unhealthy
-  and, once it answers again, re-registers the KV caches, so caching resumes without restarting
-  vLLM.
+  (:mod:`kvpersist.serving.connector.scheduler.lookup_deadline`).  LMCache's heartbeat marks
+  the server unhealthy and, once it answers again, re-registers the KV caches, so caching
+  resumes without restarting vLLM.
 """
 
 from __future__ import annotations
@@ -64,17 +65,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ..config.client import ConnectorOptions
-from ..identity import CacheIdentity
-from ..identity.adapter_records import record_adapter
-from .connector_metrics import KvPersistConnectorStats, KvPersistPromMetrics
+from ...config.client import ConnectorOptions
+from ...identity import CacheIdentity
+from ...identity.adapter_records import record_adapter
+from ..lmcache_compat import adapters as lmcache_adapters
+from ..lmcache_compat import engine_config
+from ..lmcache_compat import pins as lmcache_pins
 from .gate import AttachLate, Bypass, CacheOn, Closed, decide, record_identity
-from .lmcache_compat import adapters as lmcache_adapters
-from .lmcache_compat import engine_config
-from .lmcache_compat import pins as lmcache_pins
+from .metrics import KvPersistConnectorStats, KvPersistPromMetrics
 from .request_keys import RequestKeys, lora_settings
-from .scheduler_side import SchedulerSide
-from .worker_side import WorkerSide
+from .scheduler.side import SchedulerSide
+from .worker.side import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -155,8 +156,8 @@ class DisabledKvConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
 class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
     """LMCache's MP connector with ``<model id>/<namespace>`` as model name, and kvpersist's part
-    for this process's role: :class:`~kvpersist.serving.scheduler_side.SchedulerSide` in the
-    scheduler, :class:`~kvpersist.serving.worker_side.WorkerSide` in a worker (the other is
+    for this process's role: :class:`~kvpersist.serving.connector.scheduler.side.SchedulerSide` in the
+    scheduler, :class:`~kvpersist.serving.connector.worker.side.WorkerSide` in a worker (the other is
     None)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
@@ -194,14 +195,10 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         assert self.kvp_scheduler is not None, "a scheduler-side call in a worker"
         return self.kvp_scheduler
 
-    @property
-    def kvp_attached(self) -> bool:
-        return self.kvp_scheduler is None or self.kvp_scheduler.attached
-
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """LMCache's lookup under kvpersist's deadline (see
-        :meth:`~kvpersist.serving.scheduler_side.SchedulerSide.lookup`)."""
+        :meth:`~kvpersist.serving.connector.scheduler.side.SchedulerSide.lookup`)."""
         return self._scheduler().lookup(
             request, lambda: super(NamespacedLMCacheConnector, self).get_num_new_matched_tokens(
                 request, num_computed_tokens))

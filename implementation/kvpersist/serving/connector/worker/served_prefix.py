@@ -1,6 +1,6 @@
 """A restore the server cut short keeps what it served: the worker's side of the cut.
 
-A streamed restore (:mod:`kvpersist.serving.lmcache_compat.l1_streaming`) that meets a file failing its check
+A streamed restore (:mod:`kvpersist.serving.lmcache_compat.l1_window`) that meets a file failing its check
 in the middle has already written its first chunks into vLLM's KV memory, each by a completed
 LMCache retrieve.  LMCache's worker adapter turns the failed reply into load errors for *every*
 block of the retrieve, so vLLM would recompute the whole prefix.  The server records how many
@@ -28,8 +28,8 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import http
-from .restore_window import SERVED_ROUTE, served_blocks
+from ... import http
+from ...restore_window import SERVED_ROUTE, served_blocks
 
 logger = logging.getLogger("vllm.kvpersist.served_prefix")  # inherits vLLM's log handler
 ASK_TIMEOUT_S = 2.0

@@ -15,7 +15,7 @@ Invariants
 * Before the forward pass of a step that preempted requests, every store the worker sent in
   ``lmcache_driven`` mode has settled: the server answered it (on a GPU, its completion event
   was waited for by LMCache's own future), or the server process it was sent to is gone
-  (:class:`~kvpersist.serving.server_process.ServerProcess`; where that process cannot be
+  (:class:`~kvpersist.serving.connector.worker.server_process.ServerProcess`; where that process cannot be
   named, nobody listens at the server's socket).  A gone process can neither read the blocks
   nor publish what it read: a store given up is never published.
 * There is no fixed timeout: a live but stalled server holds the step (the engine waits, and
@@ -39,8 +39,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import http
-from .lmcache_compat import adapters as lmcache_adapters
+from ... import http
+from ...lmcache_compat import adapters as lmcache_adapters
 from .server_process import ServerProcess, listener_of
 
 logger = logging.getLogger("vllm.kvpersist.store_fence")

@@ -2,7 +2,7 @@
 
 A worker that handed the server a transfer into its own KV memory may let vLLM reuse those
 blocks only once the server answered, or once the process that took the transfer can write
-no more (:mod:`kvpersist.serving.load_fence`).  "The socket accepts" does not say *which*
+no more (:mod:`kvpersist.serving.connector.worker.load_fence`).  "The socket accepts" does not say *which*
 process accepts: a server restarted on the same path never heard of the old transfer, and a
 stopped one still accepts.  So the process is named by its kernel identity.
 
@@ -27,8 +27,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from .http import UNIX_SCHEME, split_unix_url
-from .pidfile import process_start_ticks
+from ...http import UNIX_SCHEME, split_unix_url
+from ...pidfile import process_start_ticks
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import http
+from .. import http
 
 #: The ``kvp-vllm`` command, run by this interpreter.
-KVP_VLLM = (sys.executable, "-m", "kvpersist.serving.launcher")
+KVP_VLLM = (sys.executable, "-m", "kvpersist.serving.launcher.kvp_vllm")
 
 
 #: Where :func:`free_port` looks: below the kernel's ephemeral range, from this port up.

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..observed_metrics import ObservedMetrics, by_label, field
+from ...observed_metrics import ObservedMetrics, by_label, field
 
 METER = "kvpersist.restore"
 
