@@ -3,6 +3,7 @@ bad value is an error that names the setting."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,35 @@ def test_the_server_validates_the_scan_walker_and_hands_it_to_the_adapter(tmp_pa
     params = l2_adapter_config(settings)["adapter_params"]
     config = KvPersistL2AdapterConfig.from_dict(params)
     assert (config.walker, config.walk_threads) == ("python", 3)
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"KVP_CACHE_BUDGET_GB": "1e-10"}, "KVP_CACHE_BUDGET_GB=1e-10"),
+    ({"KVP_CACHE_BUDGET_GB": "0.002", "KVP_NODE_ID": "a", "KVP_SHARED_NODES": "4"},
+     "KVP_CACHE_BUDGET_GB=0.002 shared by 4 nodes"),
+    ({"KVP_L1_SIZE_GB": "1e-9"}, "KVP_L1_SIZE_GB=1e-09"),
+])
+def test_sizes_that_make_no_sense_are_refused_naming_the_variable(
+        tmp_path: Path, env: dict[str, str], named: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(named)):
+        load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path), **env})
+    assert load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path), "KVP_CACHE_BUDGET_GB": "0.001",
+                                  "KVP_L1_SIZE_GB": "0.001"}).node_budget_gb == 0.001
+
+
+def test_a_symlinked_root_is_resolved_once_and_its_store_scans(tmp_path: Path) -> None:
+    """Every command gets the real directory; the scan (which opens the root with O_NOFOLLOW)
+    walks it instead of failing forever."""
+    from kvpersist.l2.store import KvFileStore
+
+    real = tmp_path / "nvme" / "kv"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    settings = load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path / "link")})
+    assert settings.cache_root == real and settings.tree == real
+    store = KvFileStore(settings.cache_root, 10**9)
+    store.open(background_scan=False)
+    try:
+        assert store.scan_error is None and store.scan_done and store.check() == []
+    finally:
+        store.close()

@@ -58,12 +58,14 @@ TRICKY_NAMES = [
     ".kvp",
     "x.bin",
     f"m_00000000_0_{HASH}.kvp.tmp.1a2b",  # temp leftover
-    "weird.tmp.kvp",  # temp (both marks somewhere)
+    "weird.tmp.kvp",  # ends in .kvp, does not parse: unparsable, never a temp
     "lmcache-server.log",
     "quotas.json",
     f"ünïcode--{NS[2]}_00000000_0_{HASH}.kvp",
     os.fsdecode(b"bad-utf8-\xff\xfe_00000000_0_" + HASH.encode() + b".kvp"),
     f"m--{NS[0]}_00000001_{'f' * 20}_{HASH}@s.kvp",  # a group id beyond 64 bits: live
+    f"m--{NS[0]}_00000000_0_{HASH}@team.tmp.a.kvp",  # ".tmp." in a salt: live (issue 35)
+    f"m--{NS[0]}_00000000_0_{HASH}@team.tmp.a.kvp.tmp.0f1e2d3c4b5a",  # its temp: temp
 ]
 
 
@@ -101,12 +103,13 @@ def test_tricky_names_are_classified_as_the_format_says(tricky: Path) -> None:
     inv = build_inventory(tricky)
     top = {f.name: f for f in inv.files if f.dir == str(tricky)}
     live = {n for n, f in top.items() if f.cls == "live"}
-    assert live == {TRICKY_NAMES[i] for i in (0, 1, 2, 3, 23, 24, 25)}
+    assert live == {TRICKY_NAMES[i] for i in (0, 1, 2, 3, 23, 24, 25, 26)}
     for name in live - {TRICKY_NAMES[2]}:  # every live .kvp name parses to a key
         assert format_name(parse_name(name)).lower() == name.lower()
     assert top[TRICKY_NAMES[2]].model_name == f"org_with_underscores/{NS[1]}"
     assert top[TRICKY_NAMES[0]].namespace == NS[0]
-    assert {n for n, f in top.items() if f.cls == "temp"} == {TRICKY_NAMES[19], "weird.tmp.kvp"}
+    assert {n for n, f in top.items() if f.cls == "temp"} == {TRICKY_NAMES[19], TRICKY_NAMES[27]}
+    assert top["weird.tmp.kvp"].cls == "unparsable"
     assert {n for n, f in top.items() if f.cls == "foreign"} == {
         "lmcache-server.log", "quotas.json", "dangling.kvp", "fifo.kvp", "link-to-dir",
         TRICKY_NAMES[14]}
@@ -143,7 +146,7 @@ def test_keys_of_live_rows(tricky: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     """The C key parser and the Python one give the keys parse_name gives (.bin names too)."""
     inv = build_inventory(tricky)
     live = inv.of_class(inventory.LIVE)
-    assert live.size == 3 * 7  # seven live names in each copy outside quarantine/
+    assert live.size == 3 * 8  # eight live names in each copy outside quarantine/
     fast = inv.keys(live)
     want = [parse_name(inv.name(int(r))[:-4] + ".kvp") for r in live]
     assert fast == want

@@ -262,7 +262,9 @@ def load_settings(
     root_raw = merged["KVP_CACHE_ROOT"].strip()
     if not root_raw:
         raise SettingsError("KVP_CACHE_ROOT is empty; set it to a directory on the NVMe tier")
-    tree = Path(root_raw).expanduser().absolute()
+    # Resolved once, here: every command (server, scan, admin, clients) sees the same real
+    # directory, so a symlinked root works everywhere instead of failing the scan's O_NOFOLLOW.
+    tree = Path(root_raw).expanduser().resolve()
     node_id = _node_id(merged["KVP_NODE_ID"])
     settings = ServerSettings(
         cache_root=tree if node_id is None else tree / NODES_DIR_NAME / node_id,
@@ -295,6 +297,7 @@ def load_settings(
         tree_root=tree,
         server_nice=_nice(merged["KVP_SERVER_NICE"]),
     )
+    _check_sizes(settings)
     _check_shared(settings)
     _check_access(settings)
     if settings.zmq_port == settings.http_port:
@@ -312,6 +315,27 @@ def _node_id(raw: str) -> str | None:
         raise SettingsError(f"KVP_NODE_ID={value!r} is not a node id: 1-64 letters, digits, '.', "
                             "'_' or '-', starting with a letter or digit (e.g. the host name)")
     return value
+
+
+#: The smallest budget a node's L2 may get: one chunk of a small model is about 1 MiB; less is a
+#: typo (a unit), not a cache.
+MIN_NODE_BUDGET_BYTES = 1 << 20
+#: The smallest L1: LMCache allocates it in full at start; less holds no chunk.
+MIN_L1_BYTES = 1 << 20
+
+
+def _check_sizes(settings: ServerSettings) -> None:
+    """Sizes that make no sense are refused at start, naming the variable."""
+    node_bytes = settings.node_budget_gb * 2**30
+    if node_bytes < MIN_NODE_BUDGET_BYTES:
+        share = (f" shared by {settings.shared_nodes} nodes" if settings.shared_nodes > 1
+                 else "")
+        raise SettingsError(
+            f"KVP_CACHE_BUDGET_GB={settings.budget_gb:g}{share} gives a node {node_bytes:.0f} "
+            f"bytes of L2; at least {MIN_NODE_BUDGET_BYTES} (0.001 GB) per node")
+    if settings.l1_size_gb * 2**30 < MIN_L1_BYTES:
+        raise SettingsError(f"KVP_L1_SIZE_GB={settings.l1_size_gb:g} holds no chunk; at least "
+                            "0.001 GB")
 
 
 def _check_shared(settings: ServerSettings) -> None:

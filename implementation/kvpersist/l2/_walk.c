@@ -90,18 +90,26 @@ static size_t live_model_len(const char *name, size_t n) {
     return u1;
 }
 
-static int contains(const char *s, size_t n, const char *needle) {
-    size_t k = strlen(needle);
-    if (k > n) return 0;
-    for (size_t i = 0; i + k <= n; i++)
-        if (s[i] == needle[0] && memcmp(s + i, needle, k) == 0) return 1;
-    return 0;
+/*
+ * Whether a name is the atomic writer's temp name of a cache file: <name>.kvp.tmp.<hex>, the mark
+ * anchored at the end (layout.is_temp_name).  A live name that merely contains ".tmp." (a salt
+ * such as "team.tmp.a") ends in ".kvp" and is not one.
+ */
+static int is_temp_name(const char *name, size_t n) {
+    static const char mark[] = ".kvp.tmp.";
+    size_t k = sizeof(mark) - 1;
+    size_t tail = 0;
+    while (tail < n && strchr("0123456789abcdef", name[n - 1 - tail]) != NULL &&
+           name[n - 1 - tail] != '\0')
+        tail++;
+    if (tail == 0 || n < tail + k + 1) return 0;
+    return memcmp(name + n - tail - k, mark, k) == 0;
 }
 
 static int classify_name(const char *name, size_t n, int in_quarantine, size_t *model_len) {
     *model_len = 0;
     if (in_quarantine) return CLS_QUARANTINE;
-    if (contains(name, n, ".tmp.") && contains(name, n, ".kvp")) return CLS_TEMP;
+    if (is_temp_name(name, n)) return CLS_TEMP;
     if (ends_with(name, n, ".kvp") || ends_with(name, n, ".bin")) {
         *model_len = live_model_len(name, n);
         return *model_len ? CLS_LIVE : CLS_UNPARSABLE;

@@ -170,6 +170,20 @@ class KeyIndex:
         with self._lock:
             return list(self._sizes), list(self._sizes.values()), self._reserved
 
+    def remove_if_gone(self, key: KeyFields, present: Callable[[], bool]) -> int | None:
+        """Drop ``key`` unless ``present()`` (asked under the lock, so no store can publish and
+        commit ``key`` in between) says its file is there: a reader that found the file absent
+        never drops a key a concurrent store has just re-published.  The one call of the index
+        that does I/O (``present``, a stat), only on that rare path."""
+        with self._lock:
+            if key not in self._sizes or present():
+                return None
+            size = self._sizes.pop(key)
+            self._used -= size
+            self._version += 1
+        self._on_removed([key], [size])
+        return size
+
     def remove(self, key: KeyFields) -> int | None:
         """Drop ``key``; its accounted size, or None if it was not indexed."""
         with self._lock:

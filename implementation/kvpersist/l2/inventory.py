@@ -39,9 +39,9 @@ from .layout import (
     NIXL_SUFFIX,
     QUARANTINE_DIR,
     SUFFIX,
-    TMP_MARK,
     FormatError,
     KeyFields,
+    is_temp_name,
     key_of_stem,
     model_name_from_safe,
     parse_name,
@@ -285,7 +285,7 @@ def _classify(name: str, in_quarantine: bool) -> tuple[int, str]:
     """(index into CLASSES, safe model name for live files); the C walker's ``classify_name``."""
     if in_quarantine:
         return QUARANTINE, ""
-    if TMP_MARK in name and SUFFIX in name:
+    if is_temp_name(name):
         return TEMP, ""
     if name.endswith(CACHE_SUFFIXES):
         fields = split_stem(name[:-4])  # both suffixes have four characters

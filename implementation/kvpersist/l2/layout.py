@@ -14,7 +14,9 @@ Invariants
 * Names are parsed strictly (hex fields are ASCII hex only); the C walker (``_walk.c``) accepts
   exactly the names :func:`split_stem` accepts.
 * Data live directly in the root and, sharded, in ``root/xx/yy``; ``quarantine/`` directly under
-  the root is never data; temp files carry :data:`TMP_MARK` (the atomic writer's mark).
+  the root is never data; a temp file is a cache file's name followed by :data:`TMP_MARK` and
+  hex digits (:func:`is_temp_name`, the mark anchored at the end), so a name a user chose (a
+  salt ``team.tmp.a``) never makes a live file look like one.
 """
 
 from __future__ import annotations
@@ -129,9 +131,19 @@ def key_of_stem(stem: str) -> KeyFields:
                      bytes.fromhex(hash_hex), salt)
 
 
+_TEMP_TAIL = frozenset("0123456789abcdef")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is the atomic writer's temp name of a cache file,
+    ``<name>.kvp.tmp.<hex>`` (the C walker's ``is_temp_name``)."""
+    head, mark, tail = name.rpartition(SUFFIX + TMP_MARK)
+    return bool(mark and head and tail) and _TEMP_TAIL.issuperset(tail)
+
+
 def parse_name(name: str) -> KeyFields:
     """Invert :func:`format_name`; raises FormatError for anything else (temp files too)."""
-    if not name.endswith(SUFFIX) or TMP_MARK in name:
+    if not name.endswith(SUFFIX):
         raise FormatError("not-a-cache-file", name)
     try:
         return key_of_stem(name[: -len(SUFFIX)])

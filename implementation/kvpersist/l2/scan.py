@@ -9,11 +9,17 @@ Invariants
   that order restores LMCache's LRU order after a restart.
 * Temp leftovers in data directories are removed only when ``remove_temps`` is set: by the
   store that holds the root's lock, never by a reader.
+* A walk that could not read a data directory, or stat an entry of one (EIO, ESTALE, EACCES,
+  ...), fails (:class:`~kvpersist.l2.inventory.InventoryError`): a partial walk would leave
+  files outside the count and the cap.  An entry that vanished between the listing and its stat
+  (ENOENT) was not there to count; errors outside the data directories (quarantine, operator
+  folders) do not fail it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +27,50 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from .inventory import LIVE, TEMP, UNPARSABLE, Inventory, build_inventory, index_of_columns
+from .inventory import (
+    LIVE,
+    TEMP,
+    UNPARSABLE,
+    Inventory,
+    InventoryError,
+    build_inventory,
+    index_of_columns,
+)
 from .layout import SUFFIX, KeyFields, is_data_dir
+
+#: The two kinds of line a walker reports (``<what> <path>: <strerror>``).
+_UNREAD_DIR = "cannot read directory "
+_UNSTATTED = "cannot stat "
+#: How many unread entries a failed scan names.
+_NAMED = 3
+
+
+def unread_data(errors: list[str], root: Path, *, sharded: bool) -> list[str]:
+    """The walker's error lines that leave part of the data unread (see the invariants)."""
+    base = str(root)
+    vanished = os.strerror(errno.ENOENT)
+
+    def holds_data(directory: str) -> bool:
+        if is_data_dir(base, directory, sharded):
+            return True
+        # the first shard level (root/xx) leads to data directories
+        rest = directory[len(base) + 1:] if directory.startswith(base + "/") else ""
+        return sharded and len(rest) == 2 and "/" not in rest
+
+    unread = []
+    for line in errors:
+        where, _, why = line.rpartition(": ")
+        if why == vanished:
+            continue
+        if where.startswith(_UNREAD_DIR):
+            directory = where[len(_UNREAD_DIR):]
+        elif where.startswith(_UNSTATTED):
+            directory = os.path.dirname(where[len(_UNSTATTED):])
+        else:
+            continue
+        if holds_data(directory):
+            unread.append(line)
+    return unread
 
 
 @dataclass
@@ -51,6 +99,12 @@ def walk_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "a
     """Walk ``root`` with :mod:`kvpersist.l2.inventory`'s ``walker`` (``auto``: C when built;
     the caller's setting, never read from the environment here)."""
     inv = build_inventory(root, walker=walker, threads=walk_threads)
+    unread = unread_data(inv.errors, root, sharded=sharded)
+    if unread:
+        raise InventoryError(f"the walk of {root} could not read {len(unread)} entr"
+                             f"{'y' if len(unread) == 1 else 'ies'} of its data: "
+                             + "; ".join(unread[:_NAMED]) + ("; ..." if len(unread) > _NAMED
+                                                             else ""))
     base = str(root)
     data = np.array([is_data_dir(base, d, sharded) for d in inv.dirs], bool)[inv.dir_idx] \
         if inv.dirs else np.zeros(0, bool)

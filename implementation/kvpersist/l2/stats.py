@@ -30,6 +30,9 @@ class StoreStats:
     rejected_scanning: int = 0
     rejected_disk_full: int = 0
     store_errors: int = 0
+    #: reads that failed for another reason than the file's absence or its checks (EMFILE,
+    #: EACCES, EIO, ...): misses that leave the index and the disk as they were
+    read_errors: int = 0
     loads: int = 0
     load_hits: int = 0
     load_misses: int = 0
@@ -52,11 +55,11 @@ class StoreStats:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str, *, count_miss: bool = True) -> None:
         with self._lock:
             self.verify_failures[reason] += 1
             self.quarantined += 1
-            self.load_misses += 1
+            self.load_misses += int(count_miss)
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:

@@ -5,9 +5,18 @@ file operations and the index; the scan that fills the index at start is
 Invariants
 ----------
 * **Never wrong bytes**: :meth:`KvFileStore.read_into` returns True only after
-  :func:`~kvpersist.l2.files.read_verified` accepted the file.  Any failure is a miss; the file
-  is moved to ``quarantine/`` (or removed once ``quarantine_max_files`` are kept) and counted,
-  so the next store of that key writes a good file (repair).
+  :func:`~kvpersist.l2.files.read_verified` accepted the file.  Any failure is a miss; a file
+  that fails its checks is moved to ``quarantine/`` (or removed once ``quarantine_max_files``
+  are kept) and counted, so the next store of that key writes a good file (repair).
+* **Faults never shift the accounting**: only "the file is absent" (ENOENT) removes a key, and
+  only if the file is still absent under the index's lock (a store may have re-published it).
+  Any other error (EMFILE, ENFILE, EACCES, ELOOP, EIO, ...) is a miss, counted in
+  ``read_errors``, that leaves the index and the disk as they were; a file whose payload the
+  device fails to read (EIO and kin) ``READ_ERRORS_TO_QUARANTINE`` times in a row is quarantined
+  ("read-error"), so a persistent media error does not answer "exists" to every store
+  forever.  Quarantine acts on the inode that was read: a file replaced meanwhile (a new store)
+  is left alone; a bad file that cannot be moved or removed stays indexed (counted), never
+  orphaned.
 * **Atomic publish**: readers see no file or a complete one; a failed store leaves no temp file.
   Leftovers of a killed process are removed by the start-up scan, which runs only while this
   store holds the root's lock.
@@ -41,6 +50,7 @@ import errno
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,6 +69,7 @@ from .files import (
 )
 from .format import HEADER_SIZE
 from .index import KeyIndex, KeysCallback, Reservation
+from .inventory import InventoryError
 from .layout import (
     QUARANTINE_DIR,
     STATE_DIR,
@@ -83,16 +94,27 @@ __all__ = ["KvFileStore", "RootLockedError", "StoreStats"]
 class _FileRead:
     """The outcome of :meth:`KvFileStore._read_file`: the file was not there (``absent``), or
     it failed (``error``: a :class:`FormatError` is a failed check, an ``OSError`` a failed
-    read), or it was verified (``verify_seconds``)."""
+    open or read), or it was verified (``verify_seconds``).  ``inode`` (device, inode) is the
+    file that was opened, when one was."""
 
     absent: bool = False
     error: FormatError | OSError | None = None
     verify_seconds: float = 0.0
+    inode: tuple[int, int] | None = None
+
+
+#: Reads of one key whose payload the device failed to read (:data:`MEDIA_ERRORS`), in a row,
+#: before its file is quarantined.  The process's own limits (EMFILE, ENFILE, ENOMEM) and a
+#: failed open are never the file's fault and never quarantine it.
+READ_ERRORS_TO_QUARANTINE = 3
+MEDIA_ERRORS = frozenset({errno.EIO, errno.ENODATA, errno.EUCLEAN, errno.EBADMSG})
+#: Keys whose read failures are remembered (the oldest forgotten first).
+_READ_ERROR_MEMORY = 4096
 
 logger = logging.getLogger("kvpersist.l2")
 #: Failures that depend on what the reader expected (the payload length LMCache asked for), so a
 #: quarantined file of that kind may still pass its own checks.
-_READER_DEPENDENT = ("length-mismatch",)
+_READER_DEPENDENT = ("length-mismatch", "read-error")
 _REFUSAL_COUNTER = {Reservation.EXISTS: "store_exists",
                     Reservation.REJECTED_SCANNING: "rejected_scanning",
                     Reservation.REJECTED_CAPACITY: "rejected_capacity"}
@@ -126,6 +148,8 @@ class KvFileStore:
         self.index = KeyIndex(capacity_bytes, on_added=on_added, on_removed=on_removed)
         self.stats = StoreStats()
         self._lock_fd = -1
+        self._read_errors: dict[KeyFields, int] = {}  # key -> failed reads in a row
+        self._read_errors_lock = threading.Lock()
         if walker not in WALKERS:
             raise ValueError(f"unknown walker {walker!r}; one of {', '.join(WALKERS)}")
         if walk_threads < 0:
@@ -287,19 +311,22 @@ class KvFileStore:
         out = memoryview(buf).cast("B")
         read = self._read_file(path, key, out)
         if read.absent:
-            self.index.remove(key)  # vanished (cleanup, eviction race): an ordinary miss
+            # vanished (cleanup, an eviction race): an ordinary miss, unless a store has just
+            # published it again
+            self.index.remove_if_gone(key, lambda: os.path.lexists(path))
             if self.shared is not None:
                 return self._read_elsewhere(key, buf)
             self.stats.add(loads=1, load_misses=1)
             return False
         if isinstance(read.error, FormatError):
             self.stats.add(loads=1)
-            self._quarantine(path, key, read.error.reason, str(read.error))
+            self._forget_read_errors(key)
+            self._quarantine(path, key, read.error.reason, str(read.error), read.inode)
             return False
         if read.error is not None:
-            logger.warning("kvpersist L2: read of %s failed: %s", path.name, read.error)
-            self.stats.add(loads=1, load_misses=1)
+            self._read_failed(path, key, read)
             return False
+        self._forget_read_errors(key)
         self.index.touch(key)
         self.stats.add(loads=1, load_hits=1, loaded_bytes=out.nbytes,
                        verify_seconds=read.verify_seconds,
@@ -338,27 +365,58 @@ class KvFileStore:
         try:
             fd = os.open(path, flags | (os.O_DIRECT if direct else 0))
         except OSError as exc:
-            if not (direct and exc.errno == errno.EINVAL):
+            if exc.errno == errno.ENOENT:
                 return _FileRead(absent=True)
+            if not (direct and exc.errno == errno.EINVAL):
+                return _FileRead(error=exc)  # EMFILE, EACCES, ELOOP, EIO...: not "gone"
             self._refuse_direct(path, exc)
             return self._read_file(path, key, out)
+        inode: tuple[int, int] | None = None
         try:
+            st = os.fstat(fd)
+            inode = (st.st_dev, st.st_ino)
             verify_seconds = read_verified(fd, key, out, self.stats.read_progress, direct=direct)
         except OSError as exc:
             if not (direct and exc.errno == errno.EINVAL):
-                return _FileRead(error=exc)
+                return _FileRead(error=exc, inode=inode)
             self._refuse_direct(path, exc)  # alignment the device will not take: buffered
             os.close(fd)
             fd = -1
             return self._read_file(path, key, out)
         except FormatError as exc:
-            return _FileRead(error=exc)
+            return _FileRead(error=exc, inode=inode)
         finally:
             if fd >= 0:
                 os.close(fd)
         with contextlib.suppress(OSError):
             os.utime(path)
-        return _FileRead(verify_seconds=verify_seconds)
+        return _FileRead(verify_seconds=verify_seconds, inode=inode)
+
+    def _read_failed(self, path: Path, key: KeyFields, read: _FileRead) -> None:
+        """A read that failed for another reason than absence or the file's checks: a miss,
+        counted; the file is quarantined once such failures of ``key`` persist."""
+        self.stats.add(loads=1, load_misses=1, read_errors=1)
+        media = (read.inode is not None and isinstance(read.error, OSError)
+                 and read.error.errno in MEDIA_ERRORS)
+        if not media:
+            logger.warning("kvpersist L2: read of %s failed: %s; a miss", path.name, read.error)
+            return
+        with self._read_errors_lock:
+            failures = self._read_errors.pop(key, 0) + 1
+            if failures < READ_ERRORS_TO_QUARANTINE:
+                self._read_errors[key] = failures
+                while len(self._read_errors) > _READ_ERROR_MEMORY:
+                    del self._read_errors[next(iter(self._read_errors))]
+        logger.warning("kvpersist L2: read of %s failed (%d in a row): %s; a miss", path.name,
+                       failures, read.error)
+        if failures >= READ_ERRORS_TO_QUARANTINE:
+            self._quarantine(path, key, "read-error", str(read.error), read.inode,
+                             count_miss=False)
+
+    def _forget_read_errors(self, key: KeyFields) -> None:
+        if self._read_errors:
+            with self._read_errors_lock:
+                self._read_errors.pop(key, None)
 
     def _refuse_direct(self, path: Path, exc: OSError) -> None:
         if self.direct_io:
@@ -372,15 +430,29 @@ class KvFileStore:
         refused (an encrypted chunk whose tag fails under its key): it is not read again."""
         self._quarantine(self.path_for(key), key, reason, detail)
 
-    def _quarantine(self, path: Path, key: KeyFields, reason: str, detail: str) -> None:
-        self.stats.failed(reason)
+    def _quarantine(self, path: Path, key: KeyFields, reason: str, detail: str,
+                    inode: tuple[int, int] | None = None, *, count_miss: bool = True) -> None:
+        """Move ``key``'s bad file out of the data (see the module invariants): only the file
+        whose (device, inode) is ``inode`` when given."""
+        self.stats.failed(reason, count_miss=count_miss)
+        if inode is not None and _inode_at(path) != inode:
+            logger.warning("kvpersist L2: %s failed (%s; %s) but was replaced since it was "
+                           "read; the new file is left alone", path.name, reason, detail)
+            return
         try:
             count = sum(1 for _ in os.scandir(self.root / QUARANTINE_DIR))
         except OSError:
             count = self.quarantine_max_files
+        removed = True
         try:
             if count < self.quarantine_max_files:
                 moved = quarantine_file(self.root, path, reason)
+                if inode is not None and _inode_at(moved) != inode:
+                    # replaced between the check and the move: put the new file back
+                    os.rename(moved, path)
+                    logger.warning("kvpersist L2: %s was replaced while it was quarantined; "
+                                   "the new file is left in place", path.name)
+                    return
                 with contextlib.suppress(OSError):
                     self._census.added(moved.stat().st_size)
                 action = f"moved to {moved}"
@@ -390,8 +462,16 @@ class KvFileStore:
         except FileNotFoundError:
             action = "already gone"
         except OSError as exc:
-            action = f"could not be moved ({exc.strerror})"
-        self.index.remove(key)
+            try:
+                os.unlink(path)
+                action = f"removed (it could not be moved: {exc.strerror})"
+            except OSError as again:
+                removed = False  # still on disk, so still counted
+                action = (f"left in place and still counted (move: {exc.strerror}; remove: "
+                          f"{again.strerror})")
+        if removed:
+            self.index.remove_if_gone(key, lambda: _inode_at(path) not in (None, inode)) \
+                if inode is not None else self.index.remove(key)
         logger.warning("kvpersist L2: verification failed for %s (%s); a miss, file %s",
                        path.name, detail, action)
 
@@ -448,7 +528,10 @@ class KvFileStore:
             return [f"the start-up scan failed: {self.scanner.error}"]
         if not self.index.complete:
             return ["the start-up scan has not finished"]
-        on_disk = scan_root(self.root, sharded=self.sharded, remove_temps=False)
+        try:
+            on_disk = scan_root(self.root, sharded=self.sharded, remove_temps=False)
+        except InventoryError as exc:
+            return [f"the tree cannot be walked: {exc}"]
         disk = on_disk.files
         indexed = self.index.snapshot()
         files, used, reserved = self.index.totals()
@@ -494,3 +577,12 @@ class KvFileStore:
             reason, _ = verify_file(Path(entry.path), key)
             if reason is None:
                 yield f"quarantined but verifies: {entry.path}"
+
+
+def _inode_at(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path`` (not followed), or None if there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
