@@ -81,7 +81,7 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
     vllm = VllmProcess(tiny_model, TINY_PINS, tmp_path / "vllm.log", server_env, compile=True)
     namespace = expected_namespace(tiny_model, TINY_PINS, block_size=128, tensor_parallel_size=1,
                                    pipeline_parallel_size=1)
-    prefix = f"{sanitize_model_name('kvpersist/tiny-llama')}--{namespace}_"
+    prefix = f"{sanitize_model_name(f'kvpersist/tiny-llama/{namespace}')}_"
     try:
         # Round 1: cold. The prompt is computed and its full chunks are stored in L2.
         start_server(settings)

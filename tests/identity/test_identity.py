@@ -16,7 +16,6 @@ from kvpersist.identity import (
     format_pins,
     merge_sources,
     parse_pins_text,
-    sanitize_model_name,
 )
 from kvpersist.identity.sources import (
     chat_template_digest,
@@ -77,6 +76,8 @@ def test_namespace_form_and_model_name() -> None:
     ident = CacheIdentity.from_mapping(BASE)
     assert NAMESPACE_RE.match(ident.namespace)
     assert ident.lmcache_model_name() == f"org/model/{ident.namespace}"
+    from kvpersist.l2.layout import sanitize_model_name
+
     assert sanitize_model_name(ident.lmcache_model_name()) == f"org--model--{ident.namespace}"
 
 

@@ -125,8 +125,8 @@ def run_demo(work: Path, cache_root: Path, *, tokens: int, keep: bool) -> int:
     print(f"L2 files in {cache_root}: {len(files)}")
     for path in files:
         print(f"  {path.stat().st_size:>9} B  {path.name}")
-    prefix = sanitize_model_name(pins["model_id"])
-    print(f"file-name prefix (sanitized model id)  : {prefix}--<namespace>")
+    prefix = sanitize_model_name(f"{pins['model_id']}/<namespace>")
+    print(f"file-name prefix (model name part)      : {prefix}")
     _print_admin_view(cache_root, settings.budget_gb)
     identical = (answers[0].text == answers[1].text and answers[0].tokens == answers[1].tokens
                  and answers[0].logprobs == answers[1].logprobs)

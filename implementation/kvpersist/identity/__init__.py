@@ -14,7 +14,6 @@ from .fields import (
     IdentityResolution,
     diff_identities,
     merge_sources,
-    sanitize_model_name,
 )
 from .pins import format_pins, load_pins, parse_pins_text
 
@@ -29,5 +28,4 @@ __all__ = [
     "load_pins",
     "merge_sources",
     "parse_pins_text",
-    "sanitize_model_name",
 ]

@@ -199,11 +199,6 @@ class CacheIdentity:
         return f"{self.model_id}/{self.namespace}"
 
 
-def sanitize_model_name(model_name: str) -> str:
-    """LMCache model name → file-name prefix (``/`` becomes ``--``), as the L2 adapters do."""
-    return model_name.replace("/", "--")
-
-
 def diff_identities(a: Mapping[str, object], b: Mapping[str, object]) -> list[tuple[str, object, object]]:
     """Fields whose canonical values differ between two (possibly partial) field mappings."""
     out: list[tuple[str, object, object]] = []

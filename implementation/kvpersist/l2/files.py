@@ -29,7 +29,7 @@ from typing import Any
 
 from ..atomic import write_atomic
 from .format import HEADER_SIZE, build_header, check_header, parse_header, payload_digest
-from .layout import QUARANTINE_DIR, FormatError, KeyFields, parse_name
+from .layout import QUARANTINE_DIR, FormatError, KeyFields, format_name, parse_name
 from .read_loop import ReadCounter, read_counted, read_hashed
 
 #: The smallest read of a payload: each one is hashed right after it and counted as progress.
@@ -82,11 +82,13 @@ def read_verified(fd: int, key: KeyFields, out: memoryview,
 def verify_file(path: Path, key: KeyFields | None = None) -> tuple[str | None, int]:
     """Scrub one ``.kvp`` file against ``key`` (default: the key its name says); returns
     (failure reason or None, bytes read)."""
+    named = key is None
     if key is None:
         try:
             key = parse_name(path.name)
         except FormatError as exc:
-            return exc.reason, 0
+            if exc.reason != "hashed-name":
+                return exc.reason, 0
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
@@ -96,6 +98,10 @@ def verify_file(path: Path, key: KeyFields | None = None) -> tuple[str | None, i
             header = parse_header(os.pread(fd, HEADER_SIZE, 0))
         except FormatError as exc:
             return exc.reason, 0
+        if key is None:  # a hashed name: the header names the key, which must name the file
+            if named and format_name(header.key) != path.name:
+                return "key-mismatch", 0
+            key = header.key
         buf = bytearray(max(0, min(header.payload_len, os.fstat(fd).st_size)))
         try:
             read_verified(fd, key, memoryview(buf))

@@ -41,6 +41,7 @@ from .layout import (
     SUFFIX,
     FormatError,
     KeyFields,
+    exact_model_part,
     is_temp_name,
     key_of_stem,
     model_name_from_safe,
@@ -140,6 +141,9 @@ class Inventory:
     errors: list[str]
     seconds: float
     walker: str
+    #: ``model_idx`` values whose model part does not name its model exactly (hashed, or an
+    #: earlier version's ambiguous name: :func:`kvpersist.l2.layout.exact_model_part`)
+    inexact_models: frozenset[int] = frozenset()
 
     def __len__(self) -> int:
         return int(self.cls.size)
@@ -329,7 +333,8 @@ def build_inventory(root: str | Path, *, progress: Callable[[int], None] | None 
         np.frombuffer(name_end, np.int64), np.frombuffer(cls, np.uint8),
         np.frombuffer(size, np.int64), np.frombuffer(mtime_ns, np.int64),
         np.frombuffer(dir_idx, np.int32), np.frombuffer(model_idx, np.int32),
-        errors, time.monotonic() - began, "c" if use_c else "python")
+        errors, time.monotonic() - began, "c" if use_c else "python",
+        frozenset(m for m, safe in enumerate(safe_models) if not exact_model_part(safe)))
 
 
 def _python_scan(root: str, progress: Callable[[int], None] | None) -> tuple[Any, ...]:

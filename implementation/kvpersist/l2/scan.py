@@ -14,12 +14,19 @@ Invariants
   files outside the count and the cap.  An entry that vanished between the listing and its stat
   (ENOENT) was not there to count; errors outside the data directories (quarantine, operator
   folders) do not fail it.
+* A live name whose key is not all in the name (:func:`kvpersist.l2.layout.needs_header`: a
+  hashed part, or an earlier version's ambiguous name) takes its key from the file's header; the
+  store that owns the root renames an earlier version's name to the one this version writes
+  (counted in ``migrated_names``; one already there wins and the old file goes to quarantine as
+  ``superseded``), a reader leaves it alone.  Such files come after the others in the LRU order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +34,10 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from ..identity import IdentityError
+from ..identity.records import read_record
+from .files import quarantine_file
+from .format import HEADER_SIZE, parse_header
 from .inventory import (
     LIVE,
     TEMP,
@@ -36,7 +47,20 @@ from .inventory import (
     build_inventory,
     index_of_columns,
 )
-from .layout import SUFFIX, KeyFields, is_data_dir
+from .layout import (
+    MAX_NAME_BYTES,
+    SUFFIX,
+    FormatError,
+    KeyFields,
+    format_name,
+    is_data_dir,
+    legacy_name,
+    parse_name,
+    shard_path_parts,
+    split_model_name,
+)
+
+logger = logging.getLogger("kvpersist.l2")
 
 #: The two kinds of line a walker reports (``<what> <path>: <strerror>``).
 _UNREAD_DIR = "cannot read directory "
@@ -79,6 +103,7 @@ class ScanResult:
     temp_files: list[str]  # temp leftovers found in data directories
     temp_removed: int
     unparsable_names: int
+    migrated_names: int = 0
 
 
 @dataclass
@@ -92,6 +117,9 @@ class TreeWalk:
     temp_files: list[str]
     temp_removed: int
     unparsable_names: int
+    #: live rows whose keys are not all in their names (``live`` excludes them)
+    odd: npt.NDArray[np.int64] = dataclasses.field(
+        default_factory=lambda: np.zeros(0, np.int64))
 
 
 def walk_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "auto",
@@ -122,7 +150,47 @@ def walk_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "a
     unparsable = int(np.count_nonzero(data & kvp & (inv.cls == UNPARSABLE)))
     live = np.flatnonzero(data & kvp & (inv.cls == LIVE))
     live = live[np.argsort(inv.mtime_ns[live], kind="stable")]  # oldest access first = LRU
-    return TreeWalk(inv, live.astype(np.int64), temps, removed, unparsable)
+    odd = _odd_rows(root, inv, live)
+    return TreeWalk(inv, live[~odd].astype(np.int64), temps, removed, unparsable,
+                    live[odd].astype(np.int64))
+
+
+def _recorded_elsewhere(root: Path, inv: Inventory) -> set[int]:
+    """Models whose name reads as a valid name of another model: an earlier version wrote
+    ``team--x/chat`` as ``team--x--chat``, which this version reads as ``team/x/chat``.  The
+    namespace's identity record (written by the connector) names the real model; where it
+    differs only in how ``/`` and ``--`` spell the same file name, the header decides."""
+    found = set()
+    for m, model_name in enumerate(inv.model_names):
+        namespace = split_model_name(model_name)[0]
+        if not namespace or m in inv.inexact_models:
+            continue
+        try:
+            recorded = read_record(root, namespace).lmcache_model_name()
+        except IdentityError:
+            continue
+        if recorded != model_name and recorded.replace("/", "--") == model_name.replace("/", "--"):
+            found.add(m)
+    return found
+
+
+def _odd_rows(root: Path, inv: Inventory, live: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+    """Which of the ``live`` rows need more than the C key parser (a mask): a name longer than
+    this version writes, an inexact model part (or one its identity record contradicts), or an
+    escaped or hashed salt (``@%``, found at C speed in the names' bytes)."""
+    odd = np.diff(inv.name_end, prepend=0)[live] > MAX_NAME_BYTES  # an earlier version's
+    inexact = inv.inexact_models | _recorded_elsewhere(root, inv)
+    if inexact:
+        odd |= np.isin(inv.model_idx[live], np.array(sorted(inexact), np.int32))
+    names = bytes(inv.names)
+    starts, at = [], names.find(b"@%")
+    while at >= 0:
+        starts.append(at)
+        at = names.find(b"@%", at + 2)
+    if starts:
+        rows = np.searchsorted(inv.name_end, np.array(starts, np.int64), side="right")
+        odd |= np.isin(live, rows)
+    return odd
 
 
 def scan_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "auto",
@@ -133,4 +201,48 @@ def scan_root(root: Path, *, sharded: bool, remove_temps: bool, walker: str = "a
     inv = walk.inventory
     files = index_of_columns(inv.names, inv.name_end, inv.model_idx, inv.model_names, walk.live,
                              inv.size[walk.live])
-    return ScanResult(files, walk.temp_files, walk.temp_removed, walk.unparsable_names)
+    unparsable, migrated = walk.unparsable_names, 0
+    for row in walk.odd.tolist():
+        path = Path(inv.file(row).fspath)
+        key, moved = _odd_key(root, path, sharded=sharded, owner=remove_temps)
+        if key is None:
+            unparsable += 1
+        elif moved is not False:
+            files.pop(key, None)  # one file per key: the last seen wins, as for the others
+            files[key] = int(inv.size[row])
+            migrated += moved is True
+    if migrated:
+        logger.warning("kvpersist L2: %d file(s) of %s had an earlier version's ambiguous "
+                       "names; renamed to this version's (their keys read from their headers)",
+                       migrated, root)
+    return ScanResult(files, walk.temp_files, walk.temp_removed, unparsable, migrated)
+
+
+def _odd_key(root: Path, path: Path, *, sharded: bool, owner: bool
+             ) -> tuple[KeyFields | None, bool | None]:
+    """(key, moved) of a live file whose key is not all in its name: moved is None when the
+    name is this version's, True when the owner renamed it to this version's name, False when
+    it stays where it is unindexed (a reader's scan of an earlier version's name, or a file
+    superseded by one already under the right name).  (None, None): not a cache file after all
+    (an unreadable header, a header that does not name the file)."""
+    try:
+        named: KeyFields | None = parse_name(path.name)
+    except FormatError:
+        named = None
+    try:
+        with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fh:
+            key = parse_header(fh.read(HEADER_SIZE)).key
+    except (OSError, FormatError):
+        return named, None  # indexed by its name, if it has one: its first read quarantines it
+    if format_name(key) == path.name:
+        return key, None  # an escaped or hashed part, spelled out by the header
+    if legacy_name(key) != path.name:
+        return named, None  # the header names another file: as above
+    if not owner:
+        return key, False
+    target = root.joinpath(*shard_path_parts(key, sharded))
+    if os.path.lexists(target):
+        quarantine_file(root, path, "superseded")
+        return key, False
+    os.rename(path, target)
+    return key, True

@@ -107,7 +107,8 @@ class Scanner:
                                   remove_temps=self.remove_temps, walker=self.walker,
                                   walk_threads=self.walk_threads)
                 self.stats.add(temp_removed=found.temp_removed,
-                               unparsable_names=found.unparsable_names)
+                               unparsable_names=found.unparsable_names,
+                               migrated_names=found.migrated_names)
                 files = found.files
                 self.source = "disk"
             self.files = len(files)

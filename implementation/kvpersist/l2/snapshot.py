@@ -139,6 +139,10 @@ def write_snapshot(root: Path, sharded: bool, walk: Walk) -> int | None:
             if walked.temp_files:
                 _no_snapshot(root, "a store was in flight")
                 return None
+            if walked.odd.size:  # the snapshot's columns hold names, not header keys
+                _no_snapshot(root, f"{walked.odd.size} file name(s) keep their keys in their "
+                             "headers")
+                return None
             for part in _encode(walked, stamps, sharded):
                 out.write(part)
         os.rename(tmp, state / SNAPSHOT_NAME)

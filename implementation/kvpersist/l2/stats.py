@@ -45,6 +45,8 @@ class StoreStats:
     evicted: int = 0
     temp_removed: int = 0
     unparsable_names: int = 0
+    #: files of an earlier version's ambiguous names renamed by the start-up scan
+    migrated_names: int = 0
     verify_failures: Counter[str] = field(default_factory=Counter)
     #: payload bytes read so far, failed reads included (load progress; ``read_bytes``)
     read_progress: ReadCounter = field(default_factory=ReadCounter, repr=False, compare=False)
