@@ -33,6 +33,8 @@ class StoreStats:
     #: reads that failed for another reason than the file's absence or its checks (EMFILE,
     #: EACCES, EIO, ...): misses that leave the index and the disk as they were
     read_errors: int = 0
+    #: deletions whose unlink failed (not for absence): the file and its count stay
+    delete_errors: int = 0
     loads: int = 0
     load_hits: int = 0
     load_misses: int = 0

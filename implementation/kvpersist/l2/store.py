@@ -478,9 +478,19 @@ class KvFileStore:
     # ------------------------------------------------------------------ delete / list
 
     def delete(self, key: KeyFields) -> int | None:
-        """Remove ``key``'s file; returns its accounted size, or None if it was not indexed."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path_for(key))
+        """Remove ``key``'s file; returns its accounted size, or None if it was not indexed or
+        could not be removed (an unlink that fails for another reason than absence leaves the
+        file and its count as they were, counted in ``delete_errors``)."""
+        path = self.path_for(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self.stats.add(delete_errors=1)
+            logger.warning("kvpersist L2: %s could not be removed (%s); it stays counted",
+                           path.name, exc.strerror)
+            return None
         size = self.index.remove(key)
         if size is not None:
             self.stats.add(evicted=1)
