@@ -55,10 +55,14 @@ def test_disk_full_rejects_stores_and_resumes(small_fs: Path) -> None:
         for path in s.cache_root.glob("*.kvp"):
             assert verify_file(path)[0] is None, path
         assert status["used_bytes"] == sum(p.stat().st_size for p in s.cache_root.glob("*.kvp"))
-        # serving continues: what is stored reads back byte-identical
+        # serving continues: what is stored reads back byte-identical, from L2 (L1 emptied)
+        clear_l1(s)
+        loads_before = adapter(s)["load_hits"]
         sums = d.checksums(0)
         trip = d.lookup_and_retrieve(0, sums)
-        assert trip.checksums_match
+        assert trip.hit_chunks >= 1, "nothing of the first conversation came back from L2"
+        assert trip.retrieved_ok and trip.checksums_match
+        assert adapter(s)["load_hits"] - loads_before >= trip.hit_chunks  # read from the disk
         # free space: remove the log (it lives on the same small fs) and the stored objects
         clear_l1(s)
         listed = http.get(s.http_url + "/cache/objects", timeout=10).json()["entries"]
@@ -97,10 +101,15 @@ def test_kill_during_eviction_restarts_clean(tmp_path: Path) -> None:
         assert status["used_bytes"] == disk <= int(float(budget_gb) * 1024**3)
         assert not [p for p in s.cache_root.iterdir() if ".tmp." in p.name]
         d2 = BenchDriver(s.request_url, s.http_url, MODEL)
+        hits = 0
         for seq, expected in sums.items():  # evicted files are ordinary misses, never wrong
-            trip = d2.lookup_and_retrieve(seq, expected)
-            assert trip.checksums_match, seq
+            trip = d2.lookup_and_retrieve(seq, expected)  # a fresh server: L1 is empty
+            assert trip.retrieved_ok and trip.checksums_match, seq
+            hits += trip.hit_chunks
         d2.close()
+        files = len(list(s.cache_root.glob("*.kvp")))
+        assert 0 < hits <= files, (hits, files)  # what survived the kill came back from L2
+        assert adapter(s)["load_hits"] >= hits
     finally:
         stop_server(s)
 

@@ -44,3 +44,28 @@ def test_an_empty_scan_adds_nothing_and_announces_nothing() -> None:
     announced.clear()
     assert index.adopt_scan({key(1): 3}) == 0
     assert announced == [] and index.used_bytes == 3 and len(index) == 1
+
+
+def test_listing_sorts_outside_the_lock_every_lookup_and_store_takes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paging ``/cache/objects`` sorts every key (seconds at a million keys): the sort's key
+    function never runs under the index lock, so lookups and stores wait at most for a copy of
+    the keys and one page (issue 35; benchmarks/bench_index_listing.py measures the wait)."""
+    from kvpersist.l2 import index as index_module
+
+    index = KeyIndex(10**12)
+    index.mark_complete()
+    index.add((KeyFields("org/m/kvp-" + "e" * 32, 0, 0, i.to_bytes(32, "big")), 10)
+              for i in range(500))
+    held: list[bool] = []
+    real = index_module.format_name
+
+    def watching(key: KeyFields) -> str:
+        held.append(index._lock.locked())
+        return real(key)
+
+    monkeypatch.setattr(index_module, "format_name", watching)
+    page, nxt = index.page(None, 0, 100)
+    assert len(page) == 100 and nxt == 100 and len(held) == 500 and not any(held)
+    held.clear()
+    assert index.page(None, 100, 100)[0] != page and held == []  # sorted once, until a change

@@ -55,3 +55,29 @@ def test_a_real_posix_segment_of_a_dead_worker_is_removed() -> None:
     assert (SHM_DIR / name).exists()
     assert sweep_stale_segments().segments >= 1
     assert not (SHM_DIR / name).exists()
+
+
+def test_a_segment_a_live_process_maps_stays_whatever_pid_its_name_holds(tmp_path: Path) -> None:
+    """The name's pid is a dead process, but a process in view maps the segment (a worker of
+    another pid namespace that reused the name, or a pid recycled): its owner is not proven
+    dead, so it stays."""
+    import mmap
+
+    mapped = tmp_path / f"lmcache_kv_{dead_pid()}_3"
+    mapped.write_bytes(b"m" * 4096)
+    with open(mapped, "r+b") as fh, mmap.mmap(fh.fileno(), 4096):
+        assert sweep_stale_segments(tmp_path).segments == 0
+        assert mapped.exists()
+    assert sweep_stale_segments(tmp_path).segments == 1  # unmapped, its pid dead: gone
+
+
+def test_outside_the_initial_pid_namespace_nothing_is_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from kvpersist.serving import shm_sweep
+
+    dead = tmp_path / f"lmcache_kv_{dead_pid()}_0"
+    dead.write_bytes(b"k")
+    monkeypatch.setattr(shm_sweep, "sees_every_process", lambda: False)
+    caplog.set_level("INFO", logger=shm_sweep.__name__)
+    assert sweep_stale_segments(tmp_path).segments == 0 and dead.exists()
+    assert "cannot prove their owners dead" in caplog.text

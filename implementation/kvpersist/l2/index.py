@@ -198,13 +198,26 @@ class KeyIndex:
     # -- listing
     def page(self, model_name: str | None, offset: int, limit: int
              ) -> tuple[list[tuple[KeyFields, int]], int | None]:
-        """A page of (key, size) sorted by file name; returns the next offset or None."""
+        """A page of (key, size) sorted by file name; returns the next offset or None.
+
+        The sort (seconds at a million keys) runs outside the lock on a copy of the keys taken
+        under it (a C-speed copy), and is kept until the index changes: listing never holds the
+        lock that every lookup and store takes for longer than that copy and one page."""
         with self._lock:
-            if self._sorted is None or self._sorted[0] != self._version:
-                self._sorted = (self._version, sorted(self._sizes, key=format_name))
-            ordered = self._sorted[1]
-            if model_name is not None:
-                ordered = [k for k in ordered if k.model_name == model_name]
-            page = [(k, self._sizes[k]) for k in ordered[offset:offset + limit] if k in self._sizes]
+            version, cached = self._version, self._sorted
+            keys = list(self._sizes) if cached is None or cached[0] != version else None
+        if keys is not None:
+            ordered = sorted(keys, key=format_name)
+            with self._lock:
+                if self._version == version:
+                    self._sorted = (version, ordered)
+        else:
+            assert cached is not None
+            ordered = cached[1]
+        if model_name is not None:
+            ordered = [k for k in ordered if k.model_name == model_name]
+        window = ordered[offset:offset + limit]
+        with self._lock:
+            page = [(k, self._sizes[k]) for k in window if k in self._sizes]
         next_offset = offset + limit if offset + limit < len(ordered) else None
         return page, next_offset

@@ -9,9 +9,12 @@ left its whole KV cache in ``/dev/shm`` (RAM) until reboot.
 Invariants
 ----------
 * Only names LMCache's CPU transport makes (``lmcache_kv_<pid>_<n>``) are touched, only those
-  this account owns, and only when their ``<pid>`` is not a running process: a live worker's
-  segment is never removed.  A reused pid keeps a dead run's segment until that process ends
-  too (a leak at worst, never a removal under a live process).
+  this account owns, and only when their owner is proven dead: ``<pid>`` is not a running
+  process *and* no process maps the segment or holds it open.  A reused pid keeps a dead run's
+  segment until that process ends too (a leak at worst, never a removal under a live process).
+* A pid means nothing across pid namespaces (containers sharing ``/dev/shm``, ``--ipc=host``):
+  the proof needs every process of the machine in view, which only the initial pid namespace
+  has.  Anywhere else nothing is removed, and one line says how much was left and why.
 * Removing a name never takes memory from a process that still maps it (the LMCache server):
   ``unlink`` drops the name, the pages go when the last mapping does.
 * Runs when kvpersist starts or stops a server and when ``kvp-vllm`` starts vLLM, so what
@@ -20,6 +23,7 @@ Invariants
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -30,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_NAME = re.compile(r"^lmcache_kv_(?P<pid>[0-9]+)_[0-9]+$")
+#: The inode of the initial pid namespace (the kernel's ``PROC_PID_INIT_INO``).
+INITIAL_PID_NS_INODE = 0xEFFFFFFC
 
 
 @dataclass(frozen=True)
@@ -51,21 +57,59 @@ def pid_running(pid: int) -> bool:
     return True
 
 
+def sees_every_process() -> bool:
+    """Whether this process is in the initial pid namespace, where every process is in view."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino == INITIAL_PID_NS_INODE
+    except OSError:
+        return False
+
+
+def segments_in_use(shm_dir: Path = SHM_DIR) -> set[str]:
+    """Names under ``shm_dir`` that a process in view maps or holds open (processes of other
+    accounts are skipped where they cannot be read: they cannot be the owner of this account's
+    segments, which are created with mode 0600)."""
+    prefix = str(shm_dir) + "/"
+    used: set[str] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", encoding="utf-8",
+                                                errors="replace") as maps:
+            for line in maps:
+                at = line.find(prefix)
+                if at >= 0:
+                    used.add(line[at + len(prefix):].split()[0])
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(prefix):
+                        used.add(target[len(prefix):].split()[0])
+    return used
+
+
 def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> Swept:
     """Remove the segments of dead LMCache CPU workers (module invariants); never raises for a
     segment that vanishes or cannot be removed meanwhile."""
     removed, total = 0, 0
     try:
-        entries = list(os.scandir(shm_dir))
+        entries = [e for e in os.scandir(shm_dir) if SEGMENT_NAME.match(e.name)]
     except OSError:
         return Swept(0, 0)
+    if not entries:
+        return Swept(0, 0)
+    if not sees_every_process():
+        logger.info("kvpersist: %d LMCache shared-memory segment(s) in %s left alone: this "
+                    "process does not see every process (a container's pid namespace), so it "
+                    "cannot prove their owners dead", len(entries), shm_dir)
+        return Swept(0, 0)
+    in_use = segments_in_use(shm_dir)
     for entry in entries:
         match = SEGMENT_NAME.match(entry.name)
-        if match is None:
-            continue
+        assert match is not None
         try:
             st = entry.stat(follow_symlinks=False)
-            if st.st_uid != os.geteuid() or pid_running(int(match["pid"])):
+            if (st.st_uid != os.geteuid() or pid_running(int(match["pid"]))
+                    or entry.name in in_use):
                 continue
             os.unlink(entry.path)
         except OSError:
