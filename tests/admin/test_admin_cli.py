@@ -175,6 +175,14 @@ def test_verify_and_quarantine(root: Path, capsys: pytest.CaptureFixture[str]) -
     code, out, _ = run(capsys, "verify", "--json")
     data = json.loads(out)
     assert code == 3 and data["failures"] == [{"path": str(victim), "reason": "payload-checksum"}]
+    from kvpersist.l2.lock import take_root_lock
+
+    held = take_root_lock(root)  # a live server holds the root: nothing moves behind its index
+    try:
+        code, out, err = run(capsys, "verify", "--quarantine")
+    finally:
+        os.close(held)
+    assert code == 1 and "stop it to quarantine from here" in err and victim.exists()
     code, out, _ = run(capsys, "verify", "--quarantine", "--max-mb-per-s", "100")
     assert code == 0 and "1 quarantined" in out and not victim.exists()
 

@@ -5,12 +5,19 @@ chat gets its prefix from L2 with identical output and logprobs; a changed ident
 new namespace with no hits and leaves the old files untouched.  The chat carries a unique marker
 string that must appear in no log, record or tool output the stack wrote: only the KV payloads
 (numbers, not text) are derived from the prompt.
+
+Names users choose ride along: the model is a local folder outside the Hugging Face cache layout
+pinned as ``team--x/chat--v2`` (a model id with ``--``, which earlier versions' file names could
+not tell from ``team/x/chat/v2``), and two more chats carry a salt with ``.tmp.`` in it and a
+120-character salt; each comes back in full after both restarts, and ``kvp-admin verify
+--check`` finds the stopped tree consistent.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -27,7 +34,7 @@ from kvpersist.identity.sources import build_identity, from_model_folder
 from kvpersist.l2.layout import sanitize_model_name
 from kvpersist.serving import http
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.testing.helpers import TINY_PINS, l2_files, wait_for_l2_files, write_pins
+from kvpersist.testing.helpers import l2_files, wait_for_l2_files, write_pins
 
 pytestmark = pytest.mark.e2e
 REQUEST_TIMEOUT = 120.0
@@ -69,6 +76,11 @@ def lmcache_metric(settings: ServerSettings, name: str) -> float:
     return metric_sum(body.decode(), name)
 
 
+#: A model id and salts whose file names earlier versions got wrong (issue 35's chats).
+MODEL_ID = "team--x/chat--v2"
+SALTS = ("team.tmp.a", "s" * 120)
+
+
 def test_prefix_survives_restart_of_both_and_identity_change_isolates(
     tiny_model: Path, tmp_path: Path, server_env: dict[str, str], settings: ServerSettings
 ) -> None:
@@ -76,21 +88,32 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
     marker = f"kvp-secret-{uuid.uuid4().hex[:16]}"
     messages = long_conversation(800)
     messages[0]["content"] += f" Case {marker}."
+    salted = [long_conversation(300, f"salted {i}") for i in range(len(SALTS))]
+    # A local folder outside the Hugging Face cache layout: the pins name the model.
+    folder = Path(shutil.copytree(tiny_model, tmp_path / "chat-v2"))  # a copy: links resolve
+    pins = write_pins(tmp_path / "pins.env", model_id=MODEL_ID, tokenizer_id=MODEL_ID)
     # vLLM's default compilation (the other end-to-end tests run eagerly): the one that
     # production runs restores into a compiled model identically too.
-    vllm = VllmProcess(tiny_model, TINY_PINS, tmp_path / "vllm.log", server_env, compile=True)
-    namespace = expected_namespace(tiny_model, TINY_PINS, block_size=128, tensor_parallel_size=1,
+    vllm = VllmProcess(folder, pins, tmp_path / "vllm.log", server_env, compile=True)
+    namespace = expected_namespace(folder, pins, block_size=128, tensor_parallel_size=1,
                                    pipeline_parallel_size=1)
-    prefix = f"{sanitize_model_name(f'kvpersist/tiny-llama/{namespace}')}_"
+    prefix = f"{sanitize_model_name(f'{MODEL_ID}/{namespace}')}_"
+    assert prefix.startswith("%team--x%2Fchat--v2%2Fkvp-"), prefix
     try:
         # Round 1: cold. The prompt is computed and its full chunks are stored in L2.
         start_server(settings)
         vllm.start()
         first = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
         assert first.prompt_tokens >= 700
-        stored = wait_for_l2_files(root, min_count=first.prompt_tokens // 256)
+        salted_first = [chat(vllm.base_url, m, timeout=REQUEST_TIMEOUT, cache_salt=salt)
+                        for m, salt in zip(salted, SALTS, strict=True)]
+        salted_chunks = sum(c.prompt_tokens // 256 for c in salted_first)
+        assert salted_chunks >= len(SALTS)
+        stored = wait_for_l2_files(root, min_count=first.prompt_tokens // 256 + salted_chunks)
         assert stored, "no L2 files after the first request"
         assert all(name.startswith(prefix) for name in stored), (prefix, list(stored))
+        assert len([n for n in stored if "@team.tmp.a" in n]) >= 1  # a live file, not a temp
+        assert len([n for n in stored if "@%h" in n]) >= 1  # the long salt, hashed
         assert metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total") == 0
         assert first.cached_tokens == 0
         vllm.stop()
@@ -99,10 +122,16 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
         # Round 2: restart BOTH processes; the prefix comes back from L2.
         start_server(settings)
         vllm.start()
+        for m, salt, before in zip(salted, SALTS, salted_first, strict=True):
+            again = chat(vllm.base_url, m, timeout=REQUEST_TIMEOUT, cache_salt=salt)
+            assert again.cached_tokens == (before.prompt_tokens - 1) // 256 * 256, salt
+            assert again.tokens == before.tokens and again.logprobs == before.logprobs
+        salted_hits = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
         second = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
-        hits = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total")
+        hits = metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total") - salted_hits
         l2_hits = lmcache_metric(settings, "lmcache_mp_lookup_hit_l2_tokens_total")
-        assert hits >= 256 * len(stored) - 256, (hits, len(stored))
+        unsalted = [n for n in stored if "@" not in n]  # the long chat's own chunks
+        assert hits >= 256 * len(unsalted) - 256, (hits, len(unsalted))
         assert l2_hits > 0
         # The client sees the restore (the launcher turns on prompt-token details).
         assert second.cached_tokens == hits, (second.cached_tokens, hits)
@@ -114,13 +143,14 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
 
         # Round 3: one identity field changes (max model length, pinned and live together):
         # a new namespace, no external hits, and the old files untouched.
-        changed_pins = write_pins(tmp_path / "changed.env", max_model_len="1024")
-        new_namespace = expected_namespace(tiny_model, changed_pins, block_size=128,
+        changed_pins = write_pins(tmp_path / "changed.env", max_model_len="1024",
+                                  model_id=MODEL_ID, tokenizer_id=MODEL_ID)
+        new_namespace = expected_namespace(folder, changed_pins, block_size=128,
                                            tensor_parallel_size=1, pipeline_parallel_size=1,
                                            max_model_len=1024)
         assert new_namespace != namespace
         # eager: compilation is not an identity field, and the compiled restore is round 2's
-        vllm_changed = VllmProcess(tiny_model, changed_pins, tmp_path / "vllm-changed.log",
+        vllm_changed = VllmProcess(folder, changed_pins, tmp_path / "vllm-changed.log",
                                    server_env, extra_args=["--max-model-len", "1024"])
         vllm = vllm_changed
         vllm.start()
@@ -147,6 +177,8 @@ def test_prefix_survives_restart_of_both_and_identity_change_isolates(
     finally:
         vllm.kill()
     stop_server(settings)
+    check = admin_json(server_env, "verify", "--check")  # the stopped tree, as the server sees it
+    assert check["problems"] == [] and check["files"] == len(l2_files(root)), check
 
     # No prompt text anywhere but the KV payloads: server log, vLLM logs, identity records,
     # kvp-admin output.  The scan can find the marker: the prompt the test sent contains it.

@@ -224,3 +224,24 @@ def test_a_scan_that_cannot_read_a_shard_fails_and_refuses_stores(tmp_path: Path
     assert result["check"] == [f"the start-up scan failed: {result['error']}"]
     again = open_checked_store(root, sharded=True)  # readable again: every file counted
     assert again.used_bytes == used and again.scan_error is None
+
+
+def test_the_quarantine_is_bounded_and_counts_against_the_cap(tmp_path: Path) -> None:
+    """Room for one quarantined file: the second bad file is removed, not kept; and a store is
+    refused when the index and the quarantine together would pass the cap."""
+    size = 4096 + 8192  # header + payload
+    store = open_checked_store(tmp_path / "root", capacity=4 * size,
+                               quarantine_max_bytes=size)
+    for i in range(3):
+        assert store.put(key(i), payload(i)) == "stored"
+    for i in (0, 1):  # two files fail their checks
+        with open(store.path_for(key(i)), "r+b") as fh:
+            fh.seek(5000)
+            fh.write(b"\x00\x01\x02")
+        assert not read(store, i)
+    kept = os.listdir(store.root / QUARANTINE_DIR)
+    assert len(kept) == 1 and not store.path_for(key(1)).exists()
+    assert store.status()["quarantine_bytes"] == size
+    # index 1 file + quarantine 1 file of a 4-file cap: two more fit, a third does not
+    assert [store.put(key(i), payload(i)) for i in (3, 4, 5)] == [
+        "stored", "stored", "rejected-capacity"]

@@ -94,13 +94,15 @@ class KeyIndex:
             return dict(self._sizes)
 
     # -- stores
-    def reserve(self, key: KeyFields, size: int) -> Reservation:
+    def reserve(self, key: KeyFields, size: int, *, outside: int = 0) -> Reservation:
+        """Reserve ``size`` bytes for a store of ``key``; ``outside``: bytes the caller keeps
+        under the same cap outside the index (the quarantine)."""
         with self._lock:
             if key in self._sizes:
                 return Reservation.EXISTS
             if not self._complete:
                 return Reservation.REJECTED_SCANNING
-            if self._used + self._reserved + size > self.capacity_bytes:
+            if self._used + self._reserved + outside + size > self.capacity_bytes:
                 return Reservation.REJECTED_CAPACITY
             self._reserved += size
             return Reservation.GRANTED

@@ -35,6 +35,12 @@ _METRICS = ObservedMetrics(METER, "the store status", counters={
     "kvpersist_l2.verify_failures": ("Reads that failed the check", field("verify_failures")),
     "kvpersist_l2.quarantined": ("Files moved to quarantine", field("quarantined")),
     "kvpersist_l2.evicted": ("Files evicted by the budget", field("evicted")),
+    "kvpersist_l2.io_errors": (
+        "Reads and deletions that failed for another reason than absence or the file's check "
+        "(the file and its count left as they were), by operation", fields({
+            "read_errors": {"op": "read"}, "delete_errors": {"op": "delete"}})),
+    "kvpersist_l2.migrated_names": ("Files of an earlier version's ambiguous names renamed "
+                                    "at start", field("migrated_names")),
     "kvpersist_l2.verify_failures_by_reason": (
         "Reads that failed the check, by reason (a series once a reason occurred)",
         by_label("verify_failures_by_reason", "reason")),
@@ -43,6 +49,8 @@ _METRICS = ObservedMetrics(METER, "the store status", counters={
     "kvpersist_l2.capacity_bytes": ("The L2 budget (hard cap)", field("capacity_bytes")),
     "kvpersist_l2.files": ("Published L2 files", field("files")),
     "kvpersist_l2.quarantine_files": ("Files in quarantine now", field("quarantine_files")),
+    "kvpersist_l2.quarantine_bytes": ("Bytes in quarantine now (they count against the cap)",
+                                      field("quarantine_bytes")),
 })
 
 

@@ -7,7 +7,9 @@ Invariants
 * **Never wrong bytes**: :meth:`KvFileStore.read_into` returns True only after
   :func:`~kvpersist.l2.files.read_verified` accepted the file.  Any failure is a miss; a file
   that fails its checks is moved to ``quarantine/`` (or removed once ``quarantine_max_files``
-  are kept) and counted, so the next store of that key writes a good file (repair).
+  or ``quarantine_max_bytes`` are kept) and counted, so the next store of that key writes a
+  good file (repair).  The quarantine's bytes count against the cap: a store is refused when
+  the index, the reservations and the quarantine together would pass it.
 * **Faults never shift the accounting**: only "the file is absent" (ENOENT) removes a key, and
   only if the file is still absent under the index's lock (a store may have re-published it).
   Any other error (EMFILE, ENFILE, EACCES, ELOOP, EIO, ...) is a miss, counted in
@@ -131,6 +133,7 @@ class KvFileStore:
         sharded: bool = False,
         fsync: bool = False,
         quarantine_max_files: int = 1024,
+        quarantine_max_bytes: int | None = None,
         on_added: KeysCallback | None = None,
         on_removed: KeysCallback | None = None,
         shared_tree: str | Path | None = None,
@@ -144,6 +147,9 @@ class KvFileStore:
         self.sharded = sharded
         self.fsync = fsync
         self.quarantine_max_files = quarantine_max_files
+        #: default: one hundredth of the cap
+        self.quarantine_max_bytes = (capacity_bytes // 100 if quarantine_max_bytes is None
+                                     else quarantine_max_bytes)
         self._census = QuarantineCensus(self.root / QUARANTINE_DIR)
         self.index = KeyIndex(capacity_bytes, on_added=on_added, on_removed=on_removed)
         self.stats = StoreStats()
@@ -266,7 +272,7 @@ class KvFileStore:
         if key not in self.index and self.shared is not None and self.shared.find(key):
             self.stats.add(store_exists_elsewhere=1)  # one copy in the tree is enough
             return "exists"
-        granted = self.index.reserve(key, size)
+        granted = self.index.reserve(key, size, outside=self._census.get()[1])
         if granted is not Reservation.GRANTED:
             self.stats.add(**{_REFUSAL_COUNTER[granted]: 1})
             return str(granted.value)
@@ -443,9 +449,15 @@ class KvFileStore:
             count = sum(1 for _ in os.scandir(self.root / QUARANTINE_DIR))
         except OSError:
             count = self.quarantine_max_files
+        try:
+            size = os.lstat(path).st_size
+        except OSError:
+            size = 0
+        room = (count < self.quarantine_max_files
+                and self._census.get()[1] + size <= self.quarantine_max_bytes)
         removed = True
         try:
-            if count < self.quarantine_max_files:
+            if room:
                 moved = quarantine_file(self.root, path, reason)
                 if inode is not None and _inode_at(moved) != inode:
                     # replaced between the check and the move: put the new file back

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ...config.server import ServerSettings
 from ...l2.inventory import LIVE
 from ...l2.layout import SUFFIX
+from ...l2.lock import take_root_lock
 from ...l2.store import KvFileStore, RootLockedError
 from ..budget import GIB
 from ..progress import stderr_progress
@@ -54,6 +56,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     settings = settings_or_exit()
     if args.check:
         return cmd_check(settings, args.json)
+    lock_fd = -1
+    if args.quarantine:  # moving files changes what a server's index counts: never behind one
+        try:
+            lock_fd = take_root_lock(settings.cache_root)
+        except RootLockedError as exc:
+            print(f"kvp-admin verify --quarantine: {exc}. A running server verifies every file "
+                  "it reads and quarantines what fails; stop it to quarantine from here, or "
+                  "run without --quarantine to only report", file=sys.stderr)
+            return EXIT_ERROR
+    try:
+        return _verify(args, settings)
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
+
+
+def _verify(args: argparse.Namespace, settings: ServerSettings) -> int:
     inv = inventory_or_exit(settings, "verify")
     rate = args.max_mb_per_s * 1024**2 if args.max_mb_per_s else None
     files = [inv.file(i) for i in inv.of_class(LIVE) if inv.name(int(i)).endswith(SUFFIX)]
@@ -88,7 +107,9 @@ def register(sub: Subparsers) -> None:
         description="Read every kvpersist .kvp file and check its header and payload checksum "
         "against its name, as a load would. Exit 3 if any fails (without --quarantine).",
     )
-    p.add_argument("--quarantine", action="store_true", help="move failures to quarantine/")
+    p.add_argument("--quarantine", action="store_true",
+                   help="move failures to quarantine/ (with the server stopped: it takes the "
+                   "root's lock, as the server does)")
     p.add_argument("--max-mb-per-s", type=float, help="throttle reads to this rate")
     p.add_argument("--check", action="store_true",
                    help="with the server stopped: open the root as the server would (no temp "
