@@ -245,3 +245,30 @@ def test_the_quarantine_is_bounded_and_counts_against_the_cap(tmp_path: Path) ->
     # index 1 file + quarantine 1 file of a 4-file cap: two more fit, a third does not
     assert [store.put(key(i), payload(i)) for i in (3, 4, 5)] == [
         "stored", "stored", "rejected-capacity"]
+
+
+def test_a_file_replaced_between_the_check_and_the_move_is_put_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race the inode check cannot close: a new store publishes the key after the check and
+    before the rename; the new file is moved back, and the key stays indexed."""
+    store = stored(tmp_path)
+    path = store.path_for(key(1))
+    with open(path, "r+b") as fh:
+        fh.seek(5000)
+        fh.write(b"\x00\x01\x02")
+    bad = store._read_file(path, key(1), memoryview(bytearray(8192)))
+    good = tmp_path / "good.kvp"
+    os.link(path, tmp_path / "bad-copy")  # keep the bad inode's number from being reused
+    real = store_module.quarantine_file
+
+    def racing(root: Path, victim: Path, reason: str) -> Path:
+        store_module.publish(good, key(1), memoryview(payload(1)), None, fsync=False)
+        os.replace(good, victim)  # a store published the key again
+        return real(root, victim, reason)
+
+    monkeypatch.setattr(store_module, "quarantine_file", racing)
+    store._quarantine(path, key(1), "payload-checksum", "a racing store", bad.inode)
+    monkeypatch.undo()
+    assert path.exists() and key(1) in store.index and read(store, 1)
+    assert os.listdir(store.root / QUARANTINE_DIR) == []
+    os.unlink(tmp_path / "bad-copy")

@@ -460,10 +460,7 @@ class KvFileStore:
             if room:
                 moved = quarantine_file(self.root, path, reason)
                 if inode is not None and _inode_at(moved) != inode:
-                    # replaced between the check and the move: put the new file back
-                    os.rename(moved, path)
-                    logger.warning("kvpersist L2: %s was replaced while it was quarantined; "
-                                   "the new file is left in place", path.name)
+                    self._put_back(moved, path)  # replaced between the check and the move
                     return
                 with contextlib.suppress(OSError):
                     self._census.added(moved.stat().st_size)
@@ -481,11 +478,25 @@ class KvFileStore:
                 removed = False  # still on disk, so still counted
                 action = (f"left in place and still counted (move: {exc.strerror}; remove: "
                           f"{again.strerror})")
-        if removed:
-            self.index.remove_if_gone(key, lambda: _inode_at(path) not in (None, inode)) \
-                if inode is not None else self.index.remove(key)
+        if removed and inode is not None:  # unless a new store published the key meanwhile
+            self.index.remove_if_gone(key, lambda: _inode_at(path) not in (None, inode))
+        elif removed:
+            self.index.remove(key)
         logger.warning("kvpersist L2: verification failed for %s (%s); a miss, file %s",
                        path.name, detail, action)
+
+    def _put_back(self, moved: Path, path: Path) -> None:
+        """A file published at ``path`` after the bad one was read went to quarantine by a
+        race: it goes back, unless ``path`` is taken again (then it stays in quarantine, where
+        :meth:`check` reports it as verifying)."""
+        try:
+            os.link(moved, path)
+            os.unlink(moved)
+            logger.warning("kvpersist L2: %s was replaced while it was quarantined; the new "
+                           "file is left in place", path.name)
+        except OSError as exc:
+            logger.error("kvpersist L2: %s was replaced while it was quarantined and could not "
+                         "be put back (%s); it stays in %s", path.name, exc.strerror, moved)
 
     # ------------------------------------------------------------------ delete / list
 
