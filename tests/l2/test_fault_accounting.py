@@ -272,3 +272,25 @@ def test_a_file_replaced_between_the_check_and_the_move_is_put_back(
     assert path.exists() and key(1) in store.index and read(store, 1)
     assert os.listdir(store.root / QUARANTINE_DIR) == []
     os.unlink(tmp_path / "bad-copy")
+
+
+def test_media_errors_of_a_deleted_file_do_not_count_against_the_next_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the model test's longer run: errors counted against a file that was deleted
+    (or replaced) made its successor's first errors quarantine it."""
+    store = stored(tmp_path)
+    real = store_module.read_verified
+
+    def media_error(fd: int, k: KeyFields, *args: object, **kw: object) -> float:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    for renew in (lambda: store.delete(key(1)), lambda: None):
+        monkeypatch.setattr(store_module, "read_verified", media_error)
+        for _ in range(READ_ERRORS_TO_QUARANTINE - 1):
+            assert not read(store, 1)
+        monkeypatch.setattr(store_module, "read_verified", real)
+        renew()
+        if key(1) not in store.index:
+            assert store.put(key(1), payload(1)) == "stored"
+    assert key(1) in store.index and store.status()["quarantined"] == 0
+    assert read(store, 1)

@@ -166,6 +166,7 @@ class StoreModel(RuleBasedStateMachine):
         self.store.close()
         self.snapshot = snapshot
         self.store = self._open()
+        self.media_errors.clear()  # counted in a row within one server's life
         assert self.store.scan_error is None
 
     # -- what must hold after every step

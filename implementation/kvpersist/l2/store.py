@@ -105,8 +105,9 @@ class _FileRead:
     inode: tuple[int, int] | None = None
 
 
-#: Reads of one key whose payload the device failed to read (:data:`MEDIA_ERRORS`), in a row,
-#: before its file is quarantined.  The process's own limits (EMFILE, ENFILE, ENOMEM) and a
+#: Reads of one key whose payload the device failed to read (:data:`MEDIA_ERRORS`), in a row
+#: within one process's life and one file (a restart, a deletion or a new store starts the count
+#: again), before its file is quarantined.  The process's own limits (EMFILE, ENFILE, ENOMEM) and a
 #: failed open are never the file's fault and never quarantine it.
 READ_ERRORS_TO_QUARANTINE = 3
 MEDIA_ERRORS = frozenset({errno.EIO, errno.ENODATA, errno.EUCLEAN, errno.EBADMSG})
@@ -282,6 +283,7 @@ class KvFileStore:
             self.index.release(size)
             raise
         if outcome == "stored":
+            self._forget_read_errors(key)  # a new file: its media errors are counted afresh
             self.index.commit(key, size)
             self.stats.add(stores=1, stored_bytes=size)
         else:
@@ -514,6 +516,7 @@ class KvFileStore:
             logger.warning("kvpersist L2: %s could not be removed (%s); it stays counted",
                            path.name, exc.strerror)
             return None
+        self._forget_read_errors(key)
         size = self.index.remove(key)
         if size is not None:
             self.stats.add(evicted=1)
