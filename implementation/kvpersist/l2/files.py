@@ -49,7 +49,8 @@ def publish(path: Path, key: KeyFields, payload: memoryview, layout: dict[str, A
 
 
 def read_verified(fd: int, key: KeyFields, out: memoryview,
-                  progress: ReadCounter | None = None, *, direct: bool = False) -> float:
+                  progress: ReadCounter | None = None, *, direct: bool = False,
+                  file_size: int | None = None) -> float:
     """Fill ``out`` from the open file ``fd`` if, and only if, it is exactly ``key``'s object.
 
     The payload is read in segments of at least :data:`VERIFY_SEGMENT` (the C loop grows them on
@@ -57,7 +58,8 @@ def read_verified(fd: int, key: KeyFields, out: memoryview,
     (:func:`~kvpersist.l2.read_loop.read_hashed`: one GIL release for the whole payload where
     the C loop is built).  Buffered reads ask the kernel to read the whole payload ahead
     (``POSIX_FADV_WILLNEED``).  Returns the seconds spent on the payload digest.  Raises
-    FormatError (reason tag) otherwise.
+    FormatError (reason tag) otherwise.  ``file_size``: the file's size where the caller
+    already stat'ed it (else it is stat'ed here).
     """
     bounce = _bounce_buffer() if direct else None
     if bounce is not None:
@@ -66,7 +68,8 @@ def read_verified(fd: int, key: KeyFields, out: memoryview,
         raw = os.pread(fd, HEADER_SIZE, 0)
     header = parse_header(raw)
     check_header(header, key, out.nbytes)
-    file_size = os.fstat(fd).st_size
+    if file_size is None:
+        file_size = os.fstat(fd).st_size
     if file_size != HEADER_SIZE + out.nbytes:
         raise FormatError("size-mismatch", f"{file_size} bytes on disk")
     if bounce is None and out.nbytes > VERIFY_SEGMENT:
@@ -82,7 +85,6 @@ def read_verified(fd: int, key: KeyFields, out: memoryview,
 def verify_file(path: Path, key: KeyFields | None = None) -> tuple[str | None, int]:
     """Scrub one ``.kvp`` file against ``key`` (default: the key its name says); returns
     (failure reason or None, bytes read)."""
-    named = key is None
     if key is None:
         try:
             key = parse_name(path.name)
@@ -99,7 +101,7 @@ def verify_file(path: Path, key: KeyFields | None = None) -> tuple[str | None, i
         except FormatError as exc:
             return exc.reason, 0
         if key is None:  # a hashed name: the header names the key, which must name the file
-            if named and format_name(header.key) != path.name:
+            if format_name(header.key) != path.name:
                 return "key-mismatch", 0
             key = header.key
         buf = bytearray(max(0, min(header.payload_len, os.fstat(fd).st_size)))

@@ -177,24 +177,20 @@ class KeyIndex:
         commit ``key`` in between) says its file is there: a reader that found the file absent
         never drops a key a concurrent store has just re-published.  The one call of the index
         that does I/O (``present``, a stat), only on that rare path."""
+        return self._drop(key, present)
+
+    def remove(self, key: KeyFields) -> int | None:
+        """Drop ``key``; its accounted size, or None if it was not indexed."""
+        return self._drop(key, None)
+
+    def _drop(self, key: KeyFields, present: Callable[[], bool] | None) -> int | None:
         with self._lock:
-            if key not in self._sizes or present():
+            if key not in self._sizes or (present is not None and present()):
                 return None
             size = self._sizes.pop(key)
             self._used -= size
             self._version += 1
         self._on_removed([key], [size])
-        return size
-
-    def remove(self, key: KeyFields) -> int | None:
-        """Drop ``key``; its accounted size, or None if it was not indexed."""
-        with self._lock:
-            size = self._sizes.pop(key, None)
-            if size is not None:
-                self._used -= size
-                self._version += 1
-        if size is not None:
-            self._on_removed([key], [size])
         return size
 
     # -- listing

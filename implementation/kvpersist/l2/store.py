@@ -383,7 +383,8 @@ class KvFileStore:
         try:
             st = os.fstat(fd)
             inode = (st.st_dev, st.st_ino)
-            verify_seconds = read_verified(fd, key, out, self.stats.read_progress, direct=direct)
+            verify_seconds = read_verified(fd, key, out, self.stats.read_progress, direct=direct,
+                                           file_size=st.st_size)
         except OSError as exc:
             if not (direct and exc.errno == errno.EINVAL):
                 return _FileRead(error=exc, inode=inode)

@@ -89,33 +89,40 @@ def segments_in_use(shm_dir: Path = SHM_DIR) -> set[str]:
 
 def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> Swept:
     """Remove the segments of dead LMCache CPU workers (module invariants); never raises for a
-    segment that vanishes or cannot be removed meanwhile."""
-    removed, total = 0, 0
+    segment that vanishes or cannot be removed meanwhile.  Processes are looked through only
+    when a segment of this account names a pid that is gone."""
     try:
         entries = [e for e in os.scandir(shm_dir) if SEGMENT_NAME.match(e.name)]
     except OSError:
         return Swept(0, 0)
-    if not entries:
-        return Swept(0, 0)
-    if not sees_every_process():
-        logger.info("kvpersist: %d LMCache shared-memory segment(s) in %s left alone: this "
-                    "process does not see every process (a container's pid namespace), so it "
-                    "cannot prove their owners dead", len(entries), shm_dir)
-        return Swept(0, 0)
-    in_use = segments_in_use(shm_dir)
+    candidates: list[tuple[os.DirEntry[str], int]] = []
     for entry in entries:
         match = SEGMENT_NAME.match(entry.name)
         assert match is not None
         try:
             st = entry.stat(follow_symlinks=False)
-            if (st.st_uid != os.geteuid() or pid_running(int(match["pid"]))
-                    or entry.name in in_use):
-                continue
+        except OSError:
+            continue
+        if st.st_uid == os.geteuid() and not pid_running(int(match["pid"])):
+            candidates.append((entry, st.st_size))
+    if not candidates:
+        return Swept(0, 0)
+    if not sees_every_process():
+        logger.info("kvpersist: %d LMCache shared-memory segment(s) in %s left alone: this "
+                    "process does not see every process (a container's pid namespace), so it "
+                    "cannot prove their owners dead", len(candidates), shm_dir)
+        return Swept(0, 0)
+    in_use = segments_in_use(shm_dir)
+    removed, total = 0, 0
+    for entry, size in candidates:
+        if entry.name in in_use:
+            continue
+        try:
             os.unlink(entry.path)
         except OSError:
             continue
         removed += 1
-        total += st.st_size
+        total += size
     swept = Swept(removed, total)
     if removed:
         logger.info("kvpersist: removed %s", swept)

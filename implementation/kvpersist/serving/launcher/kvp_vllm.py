@@ -49,7 +49,7 @@ from ...config.client import (
 from ...config.environment import process_env
 from ...config.server import ServerSettings, load_settings
 from ...config.values import SettingsError
-from ...identity.engine_flags import EngineFlagsError, identity_flags
+from ...identity.engine_flags import EngineFlagsError, IdentityFlags, identity_flags
 from ..shm_sweep import SHM_DIR, sweep_stale_segments
 
 VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")  # `vllm serve` needs a dist named vllm
@@ -63,14 +63,19 @@ PROMPT_DETAILS_FLAG = "--enable-prompt-tokens-details"
 PROVEN_CPU_LMCACHE_DRIVEN = ((1, 1), (2, 1), (1, 2))
 
 
-def parallel_layout(args: Sequence[str]) -> tuple[int, int]:
-    """(tensor, pipeline) parallel size a vLLM argument list asks for, read by the one parser
-    of the identity flags (:func:`kvpersist.identity.engine_flags.identity_flags`); vLLM's
-    default is 1."""
+def recipe_flags(args: Sequence[str]) -> IdentityFlags:
+    """The identity flags of a recipe's vLLM arguments, read by the one parser of them
+    (:func:`kvpersist.identity.engine_flags.identity_flags`); a malformed one is a
+    SettingsError."""
     try:
-        flags = identity_flags(list(args))
+        return identity_flags(list(args))
     except EngineFlagsError as exc:
         raise SettingsError(str(exc)) from None
+
+
+def parallel_layout(args: Sequence[str]) -> tuple[int, int]:
+    """(tensor, pipeline) parallel size a vLLM argument list asks for; vLLM's default is 1."""
+    flags = recipe_flags(args)
     layout = (int(flags.tensor_parallel_size or 0), int(flags.pipeline_parallel_size or 0))
     if min(layout) < 1:
         raise SettingsError(f"-tp {layout[0]} -pp {layout[1]}: parallel sizes must be positive")
@@ -159,16 +164,6 @@ def kv_transfer_config(
     }
 
 
-def chat_template_arg(args: Sequence[str]) -> str | None:
-    """The value of ``--chat-template`` in a vLLM argument list, if any."""
-    for i, arg in enumerate(args):
-        if arg == "--chat-template" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--chat-template="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def vllm_command(model: str, recipe_args: Sequence[str], *, launcher: LauncherSettings,
                  settings: ServerSettings | None) -> list[str]:
     """The full command: the recipe's arguments, plus the connector when persistence is on."""
@@ -179,7 +174,7 @@ def vllm_command(model: str, recipe_args: Sequence[str], *, launcher: LauncherSe
                                 "configs/<model>/identity.env (or set KV_PERSIST=0)")
         assert settings is not None
         config = kv_transfer_config(settings, launcher.identity_pins, launcher=launcher,
-                                    chat_template_file=chat_template_arg(args))
+                                    chat_template_file=recipe_flags(args).chat_template)
         args += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
         if PROMPT_DETAILS_FLAG not in args:  # clients see usage.prompt_tokens_details.cached_tokens
             args.append(PROMPT_DETAILS_FLAG)
