@@ -5,7 +5,7 @@
 #   KVP_IDENTITY_PINS=configs/<model>/identity.env scripts/recovery-test.sh -- MODEL [vLLM args...]
 #
 # Server settings come from the environment as for kvp-server (KVP_CACHE_ROOT, ...);
-# KVP_CACHE_DEVICE names the cache's block device for the disk evidence.
+# KVP_CACHE_BLOCK_DEVICE names the cache's block device for the disk evidence.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${KVP_PYTHON:-$here/.venv/bin/python}"

@@ -46,6 +46,7 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("KVP_CACHE_ROOT", str(cache))
     monkeypatch.setenv("KVP_HTTP_PORT", "9")  # nothing answers: the server is "down"
     monkeypatch.setenv("KVP_CACHE_BUDGET_GB", "1")
+    monkeypatch.setenv("KVP_L1_SIZE_GB", "1")  # the default 64 GB is more than a test host has
     return cache
 
 
@@ -220,6 +221,27 @@ def test_preflight(root: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch.setenv("KVP_CACHE_BUDGET_GB", "1000000000")
     code, out, _ = run(capsys, "preflight", "--test")
     assert code == 1 and "exceeds what the device" in out and "Lower KVP_CACHE_BUDGET_GB" in out
+
+
+def test_an_l1_larger_than_available_memory_is_refused_by_preflight_and_start(
+        root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpersist.config.server import load_settings
+    from kvpersist.serving.server.host_memory import mem_available_bytes
+    from kvpersist.serving.server.lifecycle import ServerError, start_server
+
+    available = mem_available_bytes()
+    assert available is not None and available > 0
+    monkeypatch.setenv("KVP_L1_SIZE_GB", str(2 * available // 2**30 + 1))
+    code, out, _ = run(capsys, "preflight", "--test", "--json")
+    found = {c["name"]: c for c in json.loads(out)["checks"]}
+    assert code == 1 and found["L1 memory"]["level"] == "error"
+    assert "MemAvailable" in found["L1 memory"]["message"]
+    (root / "lmcache-server.log").chmod(0o600)
+    with pytest.raises(ServerError, match="Lower KVP_L1_SIZE_GB"):
+        start_server(load_settings())
+    monkeypatch.setenv("KVP_L1_SIZE_GB", "0.5")
+    _, out, _ = run(capsys, "preflight", "--test", "--json")
+    assert {c["name"]: c for c in json.loads(out)["checks"]}["L1 memory"]["level"] == "ok"
 
 
 def test_preflight_reports_the_access_mode(root: Path, capsys: pytest.CaptureFixture[str],

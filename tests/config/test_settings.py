@@ -87,9 +87,11 @@ def test_bad_admin_variables_name_themselves(var: str, value: str) -> None:
 
 def test_admin_settings() -> None:
     s = load_admin_settings({"KVP_QUOTAS_FILE": "/q.json", "KVP_WALKER": "python",
-                             "KVP_WALK_THREADS": "3", "KVP_CACHE_DEVICE": "/dev/x"})
-    assert (s.quotas_file, s.walker, s.walk_threads, s.cache_device) == (
-        Path("/q.json"), "python", 3, Path("/dev/x"))
+                             "KVP_WALK_THREADS": "3", "KVP_CACHE_MOUNT": "/mnt/x",
+                             "KVP_CACHE_BLOCK_DEVICE": "nvme0n1", "KVP_RESULTS_DIR": "/r"})
+    assert (s.quotas_file, s.walker, s.walk_threads, s.cache_mount, s.block_device,
+            s.results_dir) == (Path("/q.json"), "python", 3, Path("/mnt/x"), "nvme0n1",
+                               Path("/r"))
 
 
 def test_value_parsers_refuse_booleans_as_numbers() -> None:

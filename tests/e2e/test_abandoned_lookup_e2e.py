@@ -27,8 +27,9 @@ import pytest
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving import http
-from kvpersist.serving.lmcache_compat import fault_injection
 from kvpersist.serving.server.lifecycle import start_server, stop_server
+from kvpersist.testing import fault_injection
+from kvpersist.testing.fault_server import FAULT_ENTRY
 from kvpersist.testing.helpers import (
     clear_l1,
     l2_files,
@@ -70,7 +71,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, wide_kv_model: Path) -> Iter
     hold = tmp / "hold-loads"
     vllm = VllmProcess(model, pins, tmp / "vllm.log", env, max_model_len=MAX_LEN,
                        extra_args=["--no-enable-prefix-caching"])
-    start_server(settings, env={**os.environ, fault_injection.HOLD_LOADS_WHILE: str(hold)})
+    start_server(settings, env={**os.environ, fault_injection.HOLD_LOADS_WHILE: str(hold)},
+                 entry=FAULT_ENTRY)
     try:
         vllm.start()
         cold: dict[str, ChatResult] = {}

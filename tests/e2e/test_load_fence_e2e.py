@@ -28,9 +28,9 @@ import pytest
 
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
-from kvpersist.serving.lmcache_compat import fault_injection
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.testing import lmcache_log
+from kvpersist.testing import fault_injection, lmcache_log
+from kvpersist.testing.fault_server import FAULT_ENTRY
 from kvpersist.testing.helpers import server_env, wait_for_l2_files, wait_until, write_pins
 from kvpersist.testing.processes import kill_server, server_pid
 
@@ -71,7 +71,7 @@ def test_a_load_given_up_by_the_heartbeat_is_never_written_late(
     vllm = VllmProcess(tiny_model, pins, log, vllm_env, extra_args=extra)
     messages = long_conversation(1100, f"fence {mode} tp{tp}")
     start_server(settings, env={**os.environ, fault_injection.STOP_IN_RETRIEVE: str(STOP_S),
-                                fault_injection.JOURNAL: str(journal)})
+                                fault_injection.JOURNAL: str(journal)}, entry=FAULT_ENTRY)
     try:
         vllm.start()
         cold = stored_cold(vllm, settings, messages, tp)

@@ -53,7 +53,7 @@ def tiny_recipe(model: Path) -> list[str]:
 def test_both_scenarios_pass_with_disk_evidence(tiny_model: Path, tmp_path: Path) -> None:
     with slow_disk.slow_disk(tmp_path, size_mb=256, read_bytes_per_s=0) as disk:
         env = {**server_env(disk.mount / "cache"), "KVP_IDENTITY_PINS": str(TINY_PINS),
-               "VLLM_CPU_KVCACHE_SPACE": "1", "KVP_CACHE_DEVICE": disk.device}
+               "VLLM_CPU_KVCACHE_SPACE": "1", "KVP_CACHE_BLOCK_DEVICE": disk.device}
         settings = load_settings(server_env(disk.mount / "cache"))
         start_server(settings)
         try:

@@ -30,9 +30,9 @@ import pytest
 
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, http_json, metric_sum
-from kvpersist.serving.lmcache_compat import fault_injection
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.testing import lmcache_log
+from kvpersist.testing import fault_injection, lmcache_log
+from kvpersist.testing.fault_server import FAULT_ENTRY
 from kvpersist.testing.helpers import wait_for_l2_files, wait_until, write_pins
 
 pytestmark = pytest.mark.e2e
@@ -91,7 +91,7 @@ def test_a_preempted_request_s_store_is_read_before_its_blocks_are_reused(
 
     journal = tmp_path / "faults.log"
     start_server(settings, env={**os.environ, fault_injection.STOP_IN_STORE: str(STOP_S),
-                                fault_injection.JOURNAL: str(journal)})
+                                fault_injection.JOURNAL: str(journal)}, entry=FAULT_ENTRY)
     log = tmp_path / "vllm-small.log"
     vllm = VllmProcess(tiny_model, pins, log, vllm_env, max_model_len=MAX_LEN,
                        extra_args=["--num-gpu-blocks-override", str(BLOCKS),

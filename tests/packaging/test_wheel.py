@@ -32,7 +32,7 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     "-q", "-w", str(out / "dist"), str(REPO)], check=True, cwd=out)
     wheel = next((out / "dist").glob("kvpersist-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for data in ("kvpersist/config/templates/lmcache-server.env",
+    for data in ("kvpersist/config/templates/kvpersist.env",
                  "kvpersist/config/templates/l2-adapters.json",
                  "kvpersist/demo/tiny-llama/identity.env", "kvpersist/py.typed"):
         assert data in names, f"{data} is not package data of the wheel"

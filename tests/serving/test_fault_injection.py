@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.serving.lmcache_compat import fault_injection
+from kvpersist.testing import fault_injection
 
 
 def test_unset_faults_change_nothing_and_malformed_ones_are_refused() -> None:
@@ -47,3 +47,21 @@ def test_a_held_load_waits_for_its_file_to_go(tmp_path: Path) -> None:
     hold.unlink()
     thread.join(5)
     assert len(ran) == 1 and ran[0] >= released
+
+
+def test_only_the_testing_entry_point_reads_fault_variables(tmp_path: Path) -> None:
+    """A malformed fault variable stops a server started through the testing entry point (the
+    fault machinery is there) and is ignored by the production entry point (it is not)."""
+    import os
+
+    from kvpersist.config.server import load_settings
+    from kvpersist.serving.server.lifecycle import ServerError, start_server, stop_server
+    from kvpersist.testing.fault_server import FAULT_ENTRY
+    from kvpersist.testing.helpers import server_env
+
+    settings = load_settings(server_env(tmp_path / "cache"))
+    env = {**os.environ, fault_injection.STOP_IN_RETRIEVE: "soon"}
+    with pytest.raises(ServerError, match="is not a number of seconds"):
+        start_server(settings, env=env, entry=FAULT_ENTRY)
+    start_server(settings, env=env)
+    stop_server(settings)

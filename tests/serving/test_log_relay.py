@@ -19,7 +19,7 @@ from kvpersist.serving import http
 from kvpersist.serving.pidfile import check_pid_file
 from kvpersist.serving.server import log_relay
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.serving.server.log_relay import relay, start_log_relay
+from kvpersist.serving.server.log_relay import Rotation, relay, start_log_relay
 from kvpersist.testing import slow_disk
 from kvpersist.testing.helpers import server_env
 
@@ -44,6 +44,28 @@ def test_every_line_arrives_when_the_writer_is_killed(tmp_path: Path) -> None:
     assert relay_proc.drained(10)
     lines = log.read_text().splitlines()
     assert lines[:-1] == [f"line {i}" for i in range(20000)] and lines[-1] == "written"
+
+
+def test_the_log_is_rotated_at_its_size_and_keeps_its_backups(tmp_path: Path) -> None:
+    """A real relay process under a writer of 20,000 lines: no file grows past the bound, the
+    oldest backups are dropped beyond the count, and the files that remain hold the newest
+    lines in order, none lost between them."""
+    log = tmp_path / "server.log"
+    fd = _open_log(log)
+    relay_proc = start_log_relay(fd, rotation=Rotation(log, 64 * 1024, 2))
+    os.close(fd)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, "20000"], stdout=relay_proc.write_fd)
+    relay_proc.release()
+    writer.wait(timeout=60)
+    assert relay_proc.drained(10)
+    files = [log.with_name("server.log.2"), log.with_name("server.log.1"), log]
+    assert all(f.stat().st_size <= 64 * 1024 + 16 for f in files)  # + the rest of a line
+    assert not log.with_name("server.log.3").exists()
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+    kept = [line for f in files for line in f.read_text().splitlines()]
+    assert kept[-1] == "written" and len(kept) < 20000  # the oldest were rotated away
+    first = int(kept[0].split()[1])
+    assert kept[:-1] == [f"line {i}" for i in range(first, 20000)]
 
 
 def test_a_full_disk_drops_output_and_never_blocks_the_writer(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from ..config.server import (
     describe_access,
 )
 from ..identity import FIELDS, IdentityError, load_pins
+from ..serving.server.host_memory import l1_refusal, mem_available_bytes
 from ..serving.server.lifecycle import is_healthy, port_is_free
 from ..serving.server.private_paths import PrivatePathError, check_private_dir
 from .budget import BudgetModel, device_ceiling
@@ -142,6 +143,22 @@ def port_checks(settings: ServerSettings, *, running: bool) -> list[Check]:
     return checks
 
 
+def memory_check(settings: ServerSettings, *, running: bool, meminfo: Path | None = None
+                 ) -> Check:
+    """L1 against the host's available memory (the running server's L1 is already taken)."""
+    l1 = f"KVP_L1_SIZE_GB={settings.l1_size_gb:g}"
+    if running:
+        return Check("L1 memory", "ok", f"{l1}: allocated by the running server")
+    kwargs = {} if meminfo is None else {"meminfo": meminfo}
+    refusal = l1_refusal(settings, **kwargs)
+    if refusal is not None:
+        return Check("L1 memory", "error", refusal + "; the server refuses to start")
+    available = mem_available_bytes(**kwargs)
+    if available is None:
+        return Check("L1 memory", "warn", f"{l1}: this host does not report MemAvailable")
+    return Check("L1 memory", "ok", f"{l1} of {available / 2**30:.1f} GiB available")
+
+
 def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | None,
                   production: bool = True, device: Path | None = None,
                   environ: dict[str, str] | None = None) -> list[Check]:
@@ -177,6 +194,7 @@ def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | No
         checks.append(Check("cache root", "ok", f"{root} will be created (mode 0700)"))
 
     running = is_healthy(settings, timeout=1.0)
+    checks.append(memory_check(settings, running=running))
     checks.append(access_check(settings))
     if settings.unix_sockets:
         checks.append(runtime_dir_check(settings, running=running))

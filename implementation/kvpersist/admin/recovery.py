@@ -17,12 +17,21 @@ Invariants
   had (no block device behind the cache root, no right to drop the page cache, L1 not
   clearable) makes the check INCONCLUSIVE, never a PASS.
 * The verdict is FAIL when any check failed, else INCONCLUSIVE when any check was, else PASS.
+* The server is restarted the way the operator says (``KVP_SERVER_RESTART``, e.g.
+  ``systemctl restart kvp-server``); without it the test stops and starts the server itself,
+  which it refuses up front when the server runs under another account or a systemd unit (it
+  would come back outside the unit, or not at all).  In scenario B the page cache is dropped
+  once the restarted server answers, so nothing the start did is left in it.
+* Results go where the operator says (``--out``, ``KVP_RESULTS_DIR``), never to a path relative
+  to a checkout.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
 import sys
 import time
 import uuid
@@ -76,7 +85,7 @@ class Marker:
 
 
 def block_device_of(path: Path, named: str | None) -> str | None:
-    """The /proc/diskstats name of ``named`` (``KVP_CACHE_DEVICE``: ``nvme0n1`` or
+    """The /proc/diskstats name of ``named`` (``KVP_CACHE_BLOCK_DEVICE``: ``nvme0n1`` or
     ``/dev/nvme0n1``), else of the device holding ``path``; None when there is none."""
     if named:
         return Path(named).name
@@ -95,6 +104,32 @@ def sectors_read(device: str, diskstats: Path = Path("/proc/diskstats")) -> int 
         if len(fields) > 5 and fields[2] == device:
             return int(fields[5])
     return None
+
+
+def systemd_unit_of(pid: int, proc: Path = Path("/proc")) -> str | None:
+    """The systemd service unit whose cgroup holds ``pid`` (``kvp-server.service``), or None."""
+    try:
+        lines = (proc / str(pid) / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        for part in reversed(line.rsplit(":", 1)[-1].split("/")):
+            if part.endswith(".service") and not part.startswith("user@"):
+                return part
+    return None
+
+
+def server_owner(settings: ServerSettings) -> tuple[int, int] | None:
+    """(pid, uid) of the running server from its pid file, or None."""
+    from ..serving.pidfile import PidState, check_pid_file
+
+    status = check_pid_file(settings.pid_file)
+    if status.state is not PidState.RUNNING or status.record is None:
+        return None
+    try:
+        return status.record.pid, os.stat(f"/proc/{status.record.pid}").st_uid
+    except OSError:
+        return None
 
 
 def recovery_chat(nonce: str, words: int) -> list[dict[str, str]]:
@@ -137,6 +172,8 @@ class RecoveryTest:
     vllm_timeout_s: float = 900.0
     request_timeout_s: float = 900.0
     store_wait_s: float = 120.0
+    #: the operator's restart command (``KVP_SERVER_RESTART``); None: stop and start here
+    restart: str | None = None
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)
     checks: list[Check] = field(default_factory=list)
@@ -183,11 +220,54 @@ class RecoveryTest:
             return self.check("pre", "kvpersist L2 adapter", False,
                               "the server runs without the kvpersist L2 adapter "
                               f"(KVP_L2_ADAPTER={self.settings.l2_adapter}); nothing to recover")
+        refused = self._self_restart_refused()
+        if refused is not None:
+            return self.check("pre", "server restart", False, refused)
         if not self.env.get("KVP_IDENTITY_PINS"):
             return self.check("pre", "identity pins", False, "KVP_IDENTITY_PINS is not set: "
                               "point it at configs/<model>/identity.env")
         return self.check("pre", "stack", True, f"server at {self.settings.http_url} with the "
                           "kvpersist adapter; vLLM through kvp-vllm")
+
+    def _self_restart_refused(self) -> str | None:
+        """Why this test must not restart the server itself, or None."""
+        if self.restart is not None:
+            return None
+        owner = server_owner(self.settings)
+        if owner is None:
+            return None
+        pid, uid = owner
+        unit = systemd_unit_of(pid)
+        if unit is not None:
+            return (f"the server (pid {pid}) runs under the systemd unit {unit}; set "
+                    f"KVP_SERVER_RESTART='systemctl restart {unit}' so the test restarts it "
+                    "through the unit")
+        if uid != os.geteuid():
+            return (f"the server (pid {pid}) runs as uid {uid}, this test as uid "
+                    f"{os.geteuid()}: run the test as the server's account (with --evict "
+                    "cache-files), or set KVP_SERVER_RESTART to the command that restarts it")
+        return None
+
+    def restart_server(self) -> None:
+        """Restart the server as the operator said (or stop and start it here), then wait until
+        it answers (at most ``KVP_START_TIMEOUT_S``)."""
+        if self.restart is None:
+            stop_server(self.settings)
+            start_server(self.settings)
+            return
+        done = subprocess.run(shlex.split(self.restart), capture_output=True, text=True,
+                              timeout=self.settings.stop_timeout_s
+                              + self.settings.start_timeout_s, check=False)
+        if done.returncode != 0:
+            raise ServerError(f"KVP_SERVER_RESTART={self.restart!r} exited with "
+                              f"{done.returncode}: {done.stderr.strip()[-500:]}")
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        while not is_healthy(self.settings, timeout=2.0):
+            if time.monotonic() > deadline:
+                raise ServerError(f"the server did not answer within "
+                                  f"{self.settings.start_timeout_s:.0f}s after "
+                                  f"{self.restart!r}")
+            time.sleep(0.5)
 
     def _chat(self, vllm: LauncherVllm, messages: list[dict[str, str]]) -> StreamedChat:
         return stream_chat(vllm.base_url, messages, timeout=self.request_timeout_s)
@@ -240,7 +320,7 @@ class RecoveryTest:
                        else "the cache files' pages evicted")
             self.say(f"scenario B: restarting vLLM and the server, {cold_by}")
             vllm.stop()
-            stop_server(self.settings)
+            self.restart_server()
             dropped: str | None = None
             try:
                 if self.evict == "page-cache":
@@ -253,14 +333,13 @@ class RecoveryTest:
                            f"cannot evict the cache files' pages ({exc.strerror})")
             device = block_device_of(self.settings.cache_root, self.device)
             reads = sectors_read(device) if device else None
-            start_server(self.settings)
             vllm.start(timeout=self.vllm_timeout_s)
             evidence: tuple[str, int] | str
             if dropped is not None:
                 evidence = dropped
             elif device is None or reads is None:
                 evidence = (f"no block device behind {self.settings.cache_root} "
-                            "(set KVP_CACHE_DEVICE)")
+                            "(set KVP_CACHE_BLOCK_DEVICE)")
             else:
                 evidence = (device, reads)
             self.restored("B", vllm, messages, cold, device_reads=evidence)
@@ -270,8 +349,11 @@ class RecoveryTest:
             vllm.stop()
             if not is_healthy(self.settings, timeout=3.0):  # leave the server as we found it
                 try:
-                    start_server(self.settings)
-                except ServerError as exc:
+                    if self.restart is None:
+                        start_server(self.settings)
+                    else:
+                        self.restart_server()
+                except (ServerError, OSError, subprocess.TimeoutExpired) as exc:
                     self.check("run", "server restarted after the test", False, str(exc))
 
     def restored(self, scenario: str, vllm: LauncherVllm, messages: list[dict[str, str]],
@@ -305,8 +387,14 @@ class RecoveryTest:
                    f"{warm.text!r} != {cold.text!r}")
 
 
-def default_out(base: Path = Path("benchmarks/results")) -> Path:
-    return base / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-recovery"
+#: Where results go when neither ``--out`` nor ``KVP_RESULTS_DIR`` says.
+DEFAULT_RESULTS_DIR = Path("/var/tmp/kvpersist-results")
+
+
+def default_out(base: Path | None = None) -> Path:
+    """A new folder under ``base`` (``KVP_RESULTS_DIR``, default :data:`DEFAULT_RESULTS_DIR`)."""
+    return ((base or DEFAULT_RESULTS_DIR)
+            / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-recovery")
 
 
 def run_recovery_test(settings: ServerSettings, recipe: Sequence[str], out: Path,

@@ -67,6 +67,10 @@ class KvPersistAdapterParams:
     walk_threads: int
     direct_io: bool
     scan_snapshot: bool
+    fsync: bool
+    io_threads: int
+    file_threads: int
+    quarantine_max_files: int
     shared_tree: str | None = None
 
     @classmethod
@@ -74,7 +78,9 @@ class KvPersistAdapterParams:
         return cls(path=str(settings.cache_root), max_capacity_gb=settings.node_budget_gb,
                    sharded=settings.l2_sharded, walker=settings.walker,
                    walk_threads=settings.walk_threads, direct_io=settings.l2_direct_io,
-                   scan_snapshot=settings.scan_snapshot,
+                   scan_snapshot=settings.scan_snapshot, fsync=settings.l2_fsync,
+                   io_threads=settings.l2_io_threads, file_threads=settings.l2_file_threads,
+                   quarantine_max_files=settings.l2_quarantine_max_files,
                    shared_tree=str(settings.tree) if settings.shared else None)
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,17 +1,18 @@
 """Settings of the operator's tool (``kvp-admin``) beyond the server's.
 
-Invariant: read once per command from the environment and validated; a bad value raises
+Invariant: read once per command from the environment over the site file
+(:mod:`kvpersist.config.site`) and validated; a bad value raises
 :class:`SettingsError` naming the variable.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import values
+from .site import effective_environ
 
 WALKERS = ("auto", "c", "python")
 
@@ -21,20 +22,26 @@ class AdminSettings:
     quotas_file: Path | None  # None: KVP_CACHE_ROOT/quotas.json
     walker: str  # "auto": the C walker when it is built
     walk_threads: int  # 0: one per CPU, at most 8
-    cache_device: Path | None  # None: the cache root's device
+    cache_mount: Path | None  # None: the cache root's file system
+    block_device: str | None  # None: the device holding the cache root
+    server_restart: str | None  # None: kvp-server stop, then start
+    results_dir: Path | None  # None: next to the cache root
 
 
 def load_admin_settings(environ: Mapping[str, str] | None = None) -> AdminSettings:
-    env = os.environ if environ is None else environ
+    env = effective_environ(environ)
 
     def get(name: str) -> str | None:
         return values.present(env, name)
 
-    quotas, device = get("KVP_QUOTAS_FILE"), get("KVP_CACHE_DEVICE")
+    quotas, mount, results = get("KVP_QUOTAS_FILE"), get("KVP_CACHE_MOUNT"), get("KVP_RESULTS_DIR")
     return AdminSettings(
         quotas_file=Path(quotas) if quotas else None,
         walker=values.choice("KVP_WALKER", get("KVP_WALKER") or "auto", WALKERS),
         walk_threads=values.integer("KVP_WALK_THREADS", get("KVP_WALK_THREADS") or "0",
                                     minimum=0),
-        cache_device=Path(device) if device else None,
+        cache_mount=Path(mount) if mount else None,
+        block_device=get("KVP_CACHE_BLOCK_DEVICE"),
+        server_restart=get("KVP_SERVER_RESTART"),
+        results_dir=Path(results).expanduser().absolute() if results else None,
     )

@@ -8,18 +8,19 @@ Invariants
   variable (``KVP_LOOKUP_TIMEOUT_S``).  The connector turns that error into "caching off", so a
   typo never crashes vLLM.
 * A connector option comes from the extra config when it is set there, else from its
-  environment variable, else from its default: the launcher writes the extra config from the
-  same variables, so an engine started either way resolves the same options.
+  environment variable or the site file (:mod:`kvpersist.config.site`), else from its
+  default: the launcher writes the extra config from the same variables, so an engine started
+  either way resolves the same options.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from . import values
+from .site import effective_environ
 from .values import SettingsError
 
 #: The module and class vLLM loads; deployments name them, so they never change.
@@ -87,7 +88,7 @@ class ConnectorOptions:
                           environ: Mapping[str, str] | None = None) -> ConnectorOptions:
         """Parse the ``kvpersist.*`` keys; SettingsError names the first bad or unknown one."""
         extra = dict(extra or {})
-        env = os.environ if environ is None else environ
+        env = effective_environ(environ)
         unknown = sorted(k for k in extra if k.startswith("kvpersist.") and k not in KNOWN_OPTIONS)
         if unknown:
             raise SettingsError(f"unknown kv_connector_extra_config key(s) {', '.join(unknown)}; "
@@ -135,7 +136,7 @@ class LauncherSettings:
 
 
 def load_launcher_settings(environ: Mapping[str, str] | None = None) -> LauncherSettings:
-    env = os.environ if environ is None else environ
+    env = effective_environ(environ)
 
     def get(name: str) -> str | None:
         return values.present(env, name)

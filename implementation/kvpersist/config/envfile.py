@@ -1,4 +1,4 @@
-"""``KEY=value`` files (``identity.env`` pins, ``lmcache-server.env``), parsed one way.
+"""``KEY=value`` files (``identity.env`` pins, the site file ``kvpersist.env``), parsed one way.
 
 Invariant: every non-blank, non-comment line is ``[export ]KEY=value`` (matching surrounding
 quotes are stripped); anything else raises :class:`EnvLineError` naming the line, so a typo is

@@ -4,7 +4,7 @@
 from pathlib import Path
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
-SERVER_TEMPLATE = TEMPLATES_DIR / "lmcache-server.env"
+SITE_TEMPLATE = TEMPLATES_DIR / "kvpersist.env"
 ADAPTER_TEMPLATES = TEMPLATES_DIR / "l2-adapters.json"
 #: Directly under the cache root: the L2 store's own state (its index snapshot), never data.
 #: Here, not in ``l2``, because the launcher keeps its start-up probe there too.

@@ -5,9 +5,9 @@ Invariants
 ----------
 * Every value is validated before anything starts; a bad value raises :class:`SettingsError`
   whose message names the variable, the bad value and what is expected.
-* Precedence: explicit overrides > process environment > the template ``lmcache-server.env``
-  (package data, :data:`SERVER_TEMPLATE`) > built-in defaults.  The same precedence serves the
-  launcher, the demo and the tests.
+* Precedence: explicit overrides > process environment > the site configuration file
+  (:mod:`kvpersist.config.site`) > the registry's defaults (:mod:`kvpersist.config.registry`).
+  The same precedence serves the launcher, ``kvp-admin``, the demo and the tests.
 * Access is ``unix`` unless ``KVP_ACCESS`` says otherwise: the request (ZMQ) and admin (HTTP)
   endpoints are Unix-domain sockets in ``KVP_RUNTIME_DIR`` (default ``<KVP_CACHE_ROOT>/run``), a
   directory only the server's account (and ``KVP_ACCESS_GROUP``, when set) may enter.  ``tcp``
@@ -32,37 +32,12 @@ from typing import Any
 from . import values
 from .adapters import known_adapters
 from .admin import WALKERS
-from .envfile import EnvLineError, parse_env_lines
-from .paths import SERVER_TEMPLATE
+from .registry import defaults
+from .site import effective_environ
 from .values import SettingsError as SettingsError
 
-DEFAULTS: dict[str, str] = {
-    "KVP_CACHE_ROOT": "/var/lib/kvpersist/cache",
-    "KVP_L1_SIZE_GB": "64",
-    "KVP_CACHE_BUDGET_GB": "1500",
-    "KVP_BIND_HOST": "127.0.0.1",
-    "KVP_ZMQ_PORT": "5555",
-    "KVP_HTTP_PORT": "8080",
-    "KVP_L2_ADAPTER": "kvpersist",
-    "KVP_L2_SHARDED": "false",
-    "KVP_EVICTION_WATERMARK": "0.9",
-    "KVP_EVICTION_RATIO": "0.1",
-    "KVP_CHUNK_SIZE": "256",
-    "KVP_START_TIMEOUT_S": "120",
-    "KVP_STOP_TIMEOUT_S": "30",
-    "KVP_ACCESS": "unix",
-    "KVP_RUNTIME_DIR": "",
-    "KVP_ACCESS_GROUP": "",
-    "KVP_L2_SERDE": "",
-    "KVP_NODE_ID": "",
-    "KVP_SHARED_NODES": "1",
-    "KVP_RESTORE_WINDOW_GB": "auto",
-    "KVP_WALKER": "auto",
-    "KVP_WALK_THREADS": "0",
-    "KVP_L2_DIRECT_IO": "true",
-    "KVP_SCAN_SNAPSHOT": "true",
-    "KVP_SERVER_NICE": "0",
-}
+#: The server's settings (its adapter's included) and their defaults, from the registry.
+DEFAULTS: dict[str, str] = defaults("server", "adapter")
 
 #: ``unix``: sockets in a private directory (the default); ``tcp``: open loopback ports (opt-in).
 ACCESS_MODES = ("unix", "tcp")
@@ -85,15 +60,6 @@ def node_part_names(tree: Path) -> list[str]:
     shared-tree reader, ``kvp-admin``); OSError when it cannot be listed."""
     with os.scandir(tree / NODES_DIR_NAME) as entries:
         return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
-
-
-def parse_env_file(path: Path) -> dict[str, str]:
-    """``KEY=value`` lines; comments, blanks, ``export`` and matching quotes are allowed."""
-    try:
-        return {key: value for _, key, value in
-                parse_env_lines(path.read_text(encoding="utf-8"), str(path))}
-    except EnvLineError as exc:
-        raise SettingsError(str(exc)) from None
 
 
 #: ``KVP_RESTORE_WINDOW_GB=auto``: an eighth of L1, at most this many GB.
@@ -159,6 +125,14 @@ class ServerSettings:
     restore_window_gb: float = 0.0
     #: The server's nice value (0: inherited); :mod:`kvpersist.serving.server.cpu_priority`.
     server_nice: int = 0
+    #: The background server's log is rotated at this size, keeping this many old files.
+    log_max_mb: int = 100
+    log_backups: int = 3
+    #: kvpersist's adapter: fsync before publish, task and file parallelism, quarantine cap.
+    l2_fsync: bool = False
+    l2_io_threads: int = 4
+    l2_file_threads: int = 16
+    l2_quarantine_max_files: int = 1024
 
     @property
     def shared(self) -> bool:
@@ -241,13 +215,10 @@ def load_settings(
     overrides: Mapping[str, str] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
-    config_file: Path | None = SERVER_TEMPLATE,
 ) -> ServerSettings:
     """Resolve and validate settings (see the module docstring for precedence)."""
     merged: dict[str, str] = dict(DEFAULTS)
-    if config_file is not None and config_file.is_file():
-        merged.update({k: v for k, v in parse_env_file(config_file).items() if k in DEFAULTS})
-    env = os.environ if environ is None else environ
+    env = effective_environ(environ)
     merged.update({k: env[k] for k in DEFAULTS if k in env and env[k] != ""})
     if overrides:
         unknown = sorted(set(overrides) - set(DEFAULTS))
@@ -296,6 +267,14 @@ def load_settings(
                                                                   merged["KVP_L1_SIZE_GB"])),
         tree_root=tree,
         server_nice=_nice(merged["KVP_SERVER_NICE"]),
+        log_max_mb=values.positive_int("KVP_LOG_MAX_MB", merged["KVP_LOG_MAX_MB"]),
+        log_backups=values.integer("KVP_LOG_BACKUPS", merged["KVP_LOG_BACKUPS"], minimum=0),
+        l2_fsync=values.boolean("KVP_L2_FSYNC", merged["KVP_L2_FSYNC"]),
+        l2_io_threads=values.positive_int("KVP_L2_IO_THREADS", merged["KVP_L2_IO_THREADS"]),
+        l2_file_threads=values.positive_int("KVP_L2_FILE_THREADS",
+                                            merged["KVP_L2_FILE_THREADS"]),
+        l2_quarantine_max_files=values.positive_int("KVP_L2_QUARANTINE_MAX_FILES",
+                                                    merged["KVP_L2_QUARANTINE_MAX_FILES"]),
     )
     _check_sizes(settings)
     _check_shared(settings)

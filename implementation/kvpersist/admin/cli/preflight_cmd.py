@@ -30,7 +30,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     checks = run_preflight(settings, cache_bytes=cache_bytes,
                            pins=Path(args.pins) if args.pins else None,
                            production=not args.test,
-                           device=admin_settings_or_exit().cache_device)
+                           device=admin_settings_or_exit().cache_mount)
     errors = [c for c in checks if c.level == "error"]
     if args.json:
         print_json({"ok": not errors, "checks": [c.__dict__ for c in checks]})

@@ -12,7 +12,6 @@ protocol, the KV connector base class, the server's command line) or calls this 
 * :mod:`.pickle_transport`: the engine_driven transport's four waits, re-bound.
 * :mod:`.unix_endpoints`: the server's request and admin endpoints moved onto Unix sockets.
 * :mod:`.l1_window`: the server's restore path changed so that L1 is a window.
-* :mod:`.fault_injection`: test-only faults wrapped around the server's retrieve handlers.
 
 Invariants
 ----------

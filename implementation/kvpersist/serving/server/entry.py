@@ -21,6 +21,8 @@ Invariants
   on it; the process umask is 0077, so everything else the server creates (L2 files, logs) is
   private to its account.  Access is decided by the runtime directory that holds the sockets
   (see :mod:`kvpersist.serving.server.private_paths`); the socket modes are a second line.
+* Nothing here reads a ``KVP_FAULT_*`` variable: faults are installed only by the testing
+  entry point :mod:`kvpersist.testing.fault_server`, which is not in the wheel.
 * A socket path that exists is replaced only when it is a socket (a stale one of a dead server;
   the launcher has already proven no server runs); a symlink or any other file is refused.
 """
@@ -40,7 +42,7 @@ from typing import Any
 
 from ...config.adapters import refuse_lossy_serde
 from ...config.values import SettingsError
-from ..lmcache_compat import fault_injection, pins, unix_endpoints
+from ..lmcache_compat import pins, unix_endpoints
 from . import cpu_priority
 
 
@@ -176,11 +178,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, value in enumerate(adapter_arguments(lmcache_args)):
             refuse_lossy_serde(value, f"--l2-adapter #{i + 1}")
     except SettingsError as exc:
-        print(f"kvpersist: {exc}", file=sys.stderr)
-        return 2
-    try:
-        fault_injection.install()
-    except ValueError as exc:
         print(f"kvpersist: {exc}", file=sys.stderr)
         return 2
     if args.restore_window_gb is not None:

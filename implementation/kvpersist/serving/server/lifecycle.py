@@ -2,7 +2,8 @@
 
 Invariants
 ----------
-* Every setting is validated and every precondition checked (ports free, root writable)
+* Every setting is validated and every precondition checked (ports free, root writable, L1
+  within the host's available memory)
   *before* a process is spawned; a failure raises :class:`ServerError` with a fix-it message.
 * The server runs in its own session with telemetry off
   (:func:`kvpersist.config.environment.process_env`) and umask 0077; its output goes to
@@ -32,7 +33,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -55,7 +56,8 @@ from ..pidfile import (
 )
 from ..shm_sweep import sweep_stale_segments
 from .entry import SocketPathError, clear_stale_socket, remove_socket
-from .log_relay import start_log_relay
+from .host_memory import l1_refusal
+from .log_relay import Rotation, start_log_relay
 from .private_paths import (
     PrivatePathError,
     check_private_file,
@@ -89,8 +91,9 @@ def lmcache_python() -> str:
     return sys.executable
 
 
-def _entry(settings: ServerSettings, python: str | None) -> list[str]:
-    cmd = [python or lmcache_python(), *POLICY_ENTRY,
+def _entry(settings: ServerSettings, python: str | None,
+           entry: Sequence[str] = POLICY_ENTRY) -> list[str]:
+    cmd = [python or lmcache_python(), *entry,
            "--restore-window-gb", _num(settings.restore_window_gb)]
     if settings.server_nice:
         cmd += ["--nice", str(settings.server_nice)]
@@ -103,12 +106,13 @@ def _entry(settings: ServerSettings, python: str | None) -> list[str]:
     return [*cmd, "--"]
 
 
-def server_command(settings: ServerSettings, python: str | None = None) -> list[str]:
-    """The server's argv for ``settings``: kvpersist's policy entry point, then LMCache's own
-    ``server`` arguments (pure; no I/O beyond the template file).  ``python``: the interpreter
-    (default: this one, checked to have LMCache)."""
+def server_command(settings: ServerSettings, python: str | None = None,
+                   entry: Sequence[str] = POLICY_ENTRY) -> list[str]:
+    """The server's argv for ``settings``: kvpersist's policy entry point (``entry``: the tests'
+    fault-injecting one), then LMCache's own ``server`` arguments (pure; no I/O beyond the
+    template file).  ``python``: the interpreter (default: this one, checked to have LMCache)."""
     return [
-        *_entry(settings, python),
+        *_entry(settings, python, entry),
         "server",
         "--host", settings.bind_host,
         "--port", str(settings.zmq_port),
@@ -211,6 +215,9 @@ def check_preconditions(settings: ServerSettings) -> PidStatus:
             f"an LMCache server (pid {status.record.pid}) already runs on {settings.cache_root}; "
             "one server per cache root. Stop it first (scripts/kvp-server.sh stop)"
         )
+    too_large = l1_refusal(settings)
+    if too_large is not None:
+        raise ServerError(too_large)
     if settings.unix_sockets:
         _prepare_runtime_dir(settings)
         return status
@@ -280,17 +287,19 @@ def _pid_record(pid: int, settings: ServerSettings, log_relay_pid: int = 0) -> P
                      settings.http_port, log_relay_pid, settings.node_id or "")
 
 
-def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = None) -> StartResult:
+def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = None,
+                 entry: Sequence[str] = POLICY_ENTRY) -> StartResult:
     """Start the server in the background and wait for ``/healthcheck``.  Its output reaches
     the log through a relay (:mod:`kvpersist.serving.server.log_relay`), so the server never waits on
     the log's device."""
     stale = _prepare_start(settings)
     sweep_stale_segments()  # what earlier CPU lmcache_driven runs left in /dev/shm
-    cmd = server_command(settings)
+    cmd = server_command(settings, entry=entry)
     began = time.monotonic()
     log = open_private_log(settings.log_file)
     try:
-        relay = start_log_relay(log)
+        relay = start_log_relay(log, rotation=Rotation(
+            settings.log_file, settings.log_max_mb * 2**20, settings.log_backups))
     finally:
         os.close(log)
     try:

@@ -1,4 +1,6 @@
-"""Faults the tests inject into a real LMCache server through kvpersist's entry point.
+"""Faults the tests inject into a real LMCache server, through the testing entry point
+:mod:`kvpersist.testing.fault_server` (never through the production server's entry point, which
+installs nothing a ``KVP_FAULT_*`` variable can trigger; this package is not in the wheel).
 
 ``KVP_FAULT_STOP_IN_RETRIEVE_S=N`` (tests only; never set by any launcher or config): a
 retrieve the server handles, in either transfer mode, first stops the *whole* server process
