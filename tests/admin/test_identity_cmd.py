@@ -263,3 +263,52 @@ def test_a_recipe_without_tp_or_pp_takes_vllm_s_defaults(
     assert _pins_values(target) == _pins_values(TINY_PINS)
     code, out, _ = run(capsys, "identity", "--vllm-args", f"{folder} {recipe} -tp 2", "--json")
     assert json.loads(out)["fields"]["tensor_parallel_size"] == 2
+
+
+def test_a_local_folder_gets_a_content_digest_as_its_revision(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder outside the Hugging Face layout is pinned without invented revisions: ids
+    ``local/<name>``, revisions a digest of its content; a changed byte changes the namespace."""
+    folder = tmp_path / "chat-v2"
+    shutil.copytree(tiny_folder(tmp_path / "hf"), folder)
+    (folder / "weights.bin").write_bytes(b"w" * 1000)
+    target = tmp_path / "local.env"
+    code, out, err = run(capsys, "identity", "write-pins", str(target), "--vllm-args",
+                         f"{folder} {RECIPE}")
+    assert code == 0, err
+    assert "not a Hugging Face snapshot" in err and "content digest" in err
+    pins = _pins_values(target)
+    assert pins["model_id"] == pins["tokenizer_id"] == "local/chat-v2"
+    revision = str(pins["model_revision"])
+    assert len(revision) == 40 and revision == pins["tokenizer_revision"] != REVISION
+    first = out.split("namespace ")[1].strip()
+    (folder / "weights.bin").write_bytes(b"w" * 999 + b"x")
+    again = tmp_path / "again.env"
+    code, out, _ = run(capsys, "identity", "write-pins", str(again), "--vllm-args",
+                       f"{folder} {RECIPE}")
+    assert code == 0 and _pins_values(again)["model_revision"] != revision
+    assert out.split("namespace ")[1].strip() != first
+    code, _, _ = run(capsys, "identity", "write-pins", str(tmp_path / "set.env"), "--vllm-args",
+                     f"{folder} {RECIPE}", "--set", "model_id=team/chat")
+    assert code == 0 and _pins_values(tmp_path / "set.env")["model_id"] == "team/chat"
+
+
+def test_diff_of_a_pins_file_takes_the_installed_build(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pins file leaves the build to the engine: compared with the fields of a namespace
+    written by this installation it is the same, and with another build it differs in build."""
+    from kvpersist.identity import CacheIdentity
+    from kvpersist.identity.sources import build_identity
+
+    installed = build_identity()
+    assert installed is not None
+    fields = {**load_pins(TINY_PINS), "build": installed}
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({"fields": CacheIdentity.from_mapping(fields).as_dict()}))
+    code, out, _ = run(capsys, "identity", "diff", str(TINY_PINS), str(same), "--json")
+    assert code == 0 and json.loads(out)["same"], out
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps({"fields": {**json.loads(same.read_text())["fields"],
+                                            "build": installed.replace("vllm=", "vllm=0.0.")}}))
+    code, out, _ = run(capsys, "identity", "diff", str(TINY_PINS), str(older), "--json")
+    assert [d["field"] for d in json.loads(out)["differences"]] == ["build"]

@@ -52,8 +52,13 @@ def tiny_recipe(model: Path) -> list[str]:
 @pytest.mark.skipif(slow_disk.unavailable() is not None, reason=str(slow_disk.unavailable()))
 def test_both_scenarios_pass_with_disk_evidence(tiny_model: Path, tmp_path: Path) -> None:
     with slow_disk.slow_disk(tmp_path, size_mb=256, read_bytes_per_s=0) as disk:
+        # The server is restarted through a command, as a unit's would be
+        # (KVP_SERVER_RESTART='systemctl restart kvp-server'): kvp-server stop, then start.
+        admin = f"{sys.executable} -m kvpersist.admin.cli server"
         env = {**server_env(disk.mount / "cache"), "KVP_IDENTITY_PINS": str(TINY_PINS),
-               "VLLM_CPU_KVCACHE_SPACE": "1", "KVP_CACHE_BLOCK_DEVICE": disk.device}
+               "VLLM_CPU_KVCACHE_SPACE": "1", "KVP_CACHE_BLOCK_DEVICE": disk.device,
+               "KVP_SERVER_RESTART": f"sh -c 'touch {tmp_path}/restarted && {admin} stop && "
+                                     f"{admin} start'"}
         settings = load_settings(server_env(disk.mount / "cache"))
         start_server(settings)
         try:
@@ -62,6 +67,7 @@ def test_both_scenarios_pass_with_disk_evidence(tiny_model: Path, tmp_path: Path
             stop_server(settings)
     checks = results["checks"]
     assert isinstance(checks, list)
+    assert (tmp_path / "restarted").exists()  # scenario B restarted through the command
     failed = [c for c in checks if c["status"] != "PASS" and c["name"] not in TIMING_CHECKS]
     assert failed == [], output[-3000:]
     names = {(c["scenario"], c["name"]) for c in checks}

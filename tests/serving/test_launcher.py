@@ -53,10 +53,31 @@ def test_bypass_reaches_the_connector_config(tmp_path: Path) -> None:
 
 
 def test_kv_persist_0_runs_the_recipe_untouched() -> None:
-    launcher = load_launcher_settings({"KV_PERSIST": "0", "KVP_VLLM_EXEC": "docker exec c1"})
-    cmd = vllm_command("m", RECIPE, launcher=launcher, settings=None)
-    assert cmd[:3] == ["docker", "exec", "c1"]
+    launcher = load_launcher_settings({"KV_PERSIST": "0", "KVP_VLLM_EXEC": "numactl -N0",
+                                       "KVP_PYTHON": "/opt/v/bin/python"})
+    cmd = vllm_command("m", RECIPE, launcher=launcher, settings=None, environ={})
+    assert cmd[:3] == ["numactl", "-N0", "/opt/v/bin/python"]
     assert cmd[-len(RECIPE):] == RECIPE and "--kv-transfer-config" not in cmd
+
+
+def test_a_container_exec_gets_the_environment_and_its_own_python(tmp_path: Path) -> None:
+    site = tmp_path / "kvpersist.env"
+    site.write_text("KVP_LOOKUP_TIMEOUT_S=7\n")
+    environ = {"KVP_CONFIG": str(site), "KVP_VLLM_EXEC": "docker exec -u vllm c1",
+               "KVP_PYTHON": "/usr/bin/python3", "VLLM_CPU_KVCACHE_SPACE": "4",
+               "HOME": "/root", "LMCACHE_TRACK_USAGE": "true"}
+    launcher = load_launcher_settings({**environ, "KV_PERSIST": "0"})
+    cmd = vllm_command("m", RECIPE, launcher=launcher, settings=None, environ=environ)
+    runtime, python = cmd[:2], cmd.index("/usr/bin/python3")
+    passed = cmd[2:python]
+    assert runtime == ["docker", "exec"] and passed[-3:] == ["-u", "vllm", "c1"]
+    flags = dict(p[2:].split("=", 1) for p in passed if p.startswith("-e"))
+    assert flags["KVP_LOOKUP_TIMEOUT_S"] == "7" and flags["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert flags["LMCACHE_TRACK_USAGE"] == "false" and flags["DO_NOT_TRACK"] == "1"
+    assert "HOME" not in flags and "KVP_CONFIG" not in flags
+    no_python = load_launcher_settings({"KVP_VLLM_EXEC": "docker exec c1", "KV_PERSIST": "0"})
+    with pytest.raises(SettingsError, match="KVP_VLLM_EXEC needs KVP_PYTHON"):
+        vllm_command("m", RECIPE, launcher=no_python, settings=None, environ={})
 
 
 def test_persistence_without_pins_is_a_clear_error(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,31 @@ def hf_snapshot_origin(path: Path) -> tuple[str, str] | None:
     if match is None:
         return None
     return match.group("repo").replace("--", "/"), path.name
+
+
+#: Bytes read per step while digesting a local model folder.
+_DIGEST_BLOCK = 8 << 20
+
+
+def folder_digest(folder: Path, progress: Callable[[int], None] | None = None) -> str:
+    """The revision of a model folder outside the Hugging Face cache layout: sha256 over every
+    regular file's relative path, size and bytes, in path order (symlinks followed, as vLLM
+    loads them), first 40 hex digits (the width of a revision field).  Any changed byte of
+    weights, config or tokenizer gives another revision, so a re-saved checkpoint never shares
+    a namespace with the old one.  ``progress`` gets the bytes read so far."""
+    digest = hashlib.sha256()
+    done = 0
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix().encode()
+        digest.update(len(rel).to_bytes(4, "big") + rel
+                      + path.stat().st_size.to_bytes(8, "big"))
+        with path.open("rb") as data:
+            while block := data.read(_DIGEST_BLOCK):
+                digest.update(block)
+                done += len(block)
+                if progress is not None:
+                    progress(done)
+    return digest.hexdigest()[:40]
 
 
 def chat_template_digest(template: str | None) -> str:

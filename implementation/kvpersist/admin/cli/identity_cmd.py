@@ -33,15 +33,19 @@ from ...identity.sources import (
     CONNECTOR_NAME,
     build_identity,
     chat_template_digest,
+    folder_digest,
     from_model_folder,
+    hf_snapshot_origin,
 )
 from ..pins_writer import (
+    TOKENIZER_FILES,
     PinsError,
     check_model_folder,
     overrides,
     render_pins,
     write_pins,
 )
+from ..progress import stderr_progress
 from ..report import active_namespaces_from_server
 from .common import (
     EXIT_ERROR,
@@ -136,7 +140,44 @@ def _resolved_or_report(args: argparse.Namespace, command: str) -> CliResolution
         return None
 
 
+def local_folder_fields(args: argparse.Namespace) -> list[str]:
+    """``--set`` pairs for a model folder outside the Hugging Face cache layout, which has no
+    revision to read: the revisions are a content digest of the folder
+    (:func:`kvpersist.identity.sources.folder_digest`), the ids ``local/<folder name>``; a field
+    the operator set is kept."""
+    flags = engine_flags(args)
+    folder = args.model_folder or (flags.model if flags.model and Path(flags.model).is_dir()
+                                   else None)
+    if not folder or not Path(folder).is_dir() or hf_snapshot_origin(Path(folder)) is not None:
+        return []
+    path = Path(folder).resolve()
+    given = overrides(args.set or [])
+    wanted = ["model_id", "model_revision"]
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        wanted += ["tokenizer_id", "tokenizer_revision"]
+    if all(name in given for name in wanted):
+        return []
+    digest = ""
+    if any(name.endswith("revision") and name not in given for name in wanted):
+        total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        bar = stderr_progress("digesting the model folder", total, unit="bytes")
+        digest = folder_digest(path, bar)
+        if bar is not None:
+            bar.close()
+        print(f"note: {path} is not a Hugging Face snapshot: its revision is a content digest "
+              f"of the folder ({digest}); any changed file gives another namespace",
+              file=sys.stderr)
+    values = {"model_id": f"local/{path.name}", "tokenizer_id": f"local/{path.name}",
+              "model_revision": digest, "tokenizer_revision": digest}
+    return [f"{name}={values[name]}" for name in wanted if name not in given]
+
+
 def cmd_write_pins(args: argparse.Namespace) -> int:
+    try:
+        args.set = [*(args.set or []), *local_folder_fields(args)]
+    except (PinsError, OSError) as exc:
+        print(f"kvp-admin identity write-pins: {exc}; nothing written", file=sys.stderr)
+        return EXIT_ERROR
     found = _resolved_or_report(args, "identity write-pins")
     if found is None:
         return EXIT_ERROR
@@ -247,15 +288,24 @@ def cmd_identity_server(args: argparse.Namespace) -> int:
 
 
 def _load_side(spec: str) -> dict[str, object]:
+    """The fields ``spec`` names (a namespace's record, a model folder, a JSON of fields or a
+    pins file).  A folder or a pins file that leaves ``build`` to the engine gets the build this
+    installation's engine would add, as it would at run time: a pins file then differs from a
+    namespace in ``build`` only when the installed versions did change."""
     if NAMESPACE_RE.fullmatch(spec):
         return dict(read_record(settings_or_exit().cache_root, spec).as_dict())
     path = Path(spec)
     if path.is_dir():
-        return dict(from_model_folder(path))
-    if path.suffix == ".json":
+        side = dict(from_model_folder(path))
+    elif path.suffix == ".json":
         data = json.loads(path.read_text())
         return dict(data.get("fields", data))
-    return dict(load_pins(path))
+    else:
+        side = dict(load_pins(path))
+    installed = build_identity()
+    if "build" not in side and installed is not None:
+        side["build"] = installed
+    return side
 
 
 def cmd_identity_diff(args: argparse.Namespace) -> int:

@@ -48,6 +48,7 @@ from ...config.client import (
 )
 from ...config.environment import process_env
 from ...config.server import ServerSettings, load_settings
+from ...config.site import CONFIG_VARIABLE, effective_environ
 from ...config.values import SettingsError
 from ...identity.engine_flags import EngineFlagsError, IdentityFlags, identity_flags
 from ..shm_sweep import SHM_DIR, sweep_stale_segments
@@ -164,8 +165,41 @@ def kv_transfer_config(
     }
 
 
+#: Container runtimes whose ``exec`` starts vLLM with none of the launcher's environment: the
+#: variables :func:`container_variables` picks are handed over as ``-e NAME=value``.
+CONTAINER_RUNTIMES = ("docker", "podman", "nerdctl")
+#: What a vLLM process needs of the launcher's environment inside a container.
+CONTAINER_PREFIXES = ("KVP_", "KV_PERSIST", "VLLM_", "LMCACHE_", "HF_", "DO_NOT_TRACK")
+
+
+def container_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables a containerised vLLM gets from the launcher (telemetry off included); the
+    site file's name is not among them (the file is the host's), its settings are."""
+    env = dict(effective_environ(environ))
+    env.update(process_env({}))
+    return {k: v for k, v in sorted(env.items())
+            if k.startswith(CONTAINER_PREFIXES) and k != CONFIG_VARIABLE and v != ""}
+
+
+def exec_prefix(launcher: LauncherSettings, environ: Mapping[str, str]) -> list[str]:
+    """``KVP_VLLM_EXEC`` as words; for ``docker/podman/nerdctl exec`` with the environment vLLM
+    needs passed in (``-e``), since such an exec inherits none of it."""
+    words = shlex.split(launcher.vllm_exec)
+    if not words:
+        return []
+    if launcher.python is None:
+        raise SettingsError("KVP_VLLM_EXEC needs KVP_PYTHON: the Python with vLLM, LMCache and "
+                            "kvpersist where the prefix runs it (this host's "
+                            f"{sys.executable} means nothing inside a container)")
+    if Path(words[0]).name in CONTAINER_RUNTIMES and words[1:2] == ["exec"]:
+        passed = [f"-e{k}={v}" for k, v in container_variables(environ).items()]
+        return [words[0], "exec", *passed, *words[2:]]
+    return words
+
+
 def vllm_command(model: str, recipe_args: Sequence[str], *, launcher: LauncherSettings,
-                 settings: ServerSettings | None) -> list[str]:
+                 settings: ServerSettings | None,
+                 environ: Mapping[str, str] | None = None) -> list[str]:
     """The full command: the recipe's arguments, plus the connector when persistence is on."""
     args = list(recipe_args)
     if launcher.persist:
@@ -179,7 +213,8 @@ def vllm_command(model: str, recipe_args: Sequence[str], *, launcher: LauncherSe
         if PROMPT_DETAILS_FLAG not in args:  # clients see usage.prompt_tokens_details.cached_tokens
             args.append(PROMPT_DETAILS_FLAG)
     python = launcher.python or sys.executable
-    return [*shlex.split(launcher.vllm_exec), python, *VLLM_ENTRY, "--model", model, *args]
+    prefix = exec_prefix(launcher, os.environ if environ is None else environ)
+    return [*prefix, python, *VLLM_ENTRY, "--model", model, *args]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -194,7 +229,9 @@ def _parser() -> argparse.ArgumentParser:
         "connector and its identity, never look up or store), "
         "KVP_LOOKUP_TIMEOUT_S, KVP_LOOKUP_MAX_S, KVP_HEARTBEAT_S, KVP_MQ_TIMEOUT_S, KVP_MP_TRANSFER_MODE, "
         "KVP_PYTHON (the Python with vLLM), KVP_VLLM_EXEC (a prefix such as "
-        "'docker exec <container>').",
+        "'docker exec <container>': docker/podman exec get the KVP_*, VLLM_*, LMCACHE_*, HF_* "
+        "variables as -e; needs KVP_PYTHON). Every KVP_ setting may come from the site "
+        "configuration file (KVP_CONFIG, default /etc/kvpersist/kvpersist.env).",
     )
     parser.add_argument("--print-config", action="store_true",
                         help="print the --kv-transfer-config JSON and exit")
