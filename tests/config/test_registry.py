@@ -132,3 +132,17 @@ def test_adapter_settings_reach_the_adapter_config(tmp_path: Path) -> None:
     config = KvPersistL2AdapterConfig.from_dict(l2_adapter_config(settings)["adapter_params"])
     assert (config.fsync, config.io_threads, config.file_threads,
             config.quarantine_max_files) == (True, 2, 5, 7)
+
+
+def test_the_file_an_older_release_read_is_not_dropped_silently(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpersist.config import site
+
+    legacy = tmp_path / "lmcache-server.env"
+    legacy.write_text("KVP_L1_SIZE_GB=8\n")
+    monkeypatch.setattr(site, "LEGACY_SITE_FILE", legacy)
+    monkeypatch.setattr(site, "DEFAULT_SITE_CONFIG", tmp_path / "kvpersist.env")
+    with pytest.raises(SettingsError, match="no longer read: move its settings"):
+        load_settings(environ={})
+    (tmp_path / "kvpersist.env").write_text("KVP_L1_SIZE_GB=8\n")
+    assert load_settings(environ={}).l1_size_gb == 8

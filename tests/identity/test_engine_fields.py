@@ -48,6 +48,7 @@ def test_every_decision_says_why_and_names_real_namespace_fields() -> None:
                       ("model_config.enable_prompt_embeds", PerRequest),
                       ("lora_config.lora_dtype", PerRequest),
                       ("speculative_config.method", ClosesGate),
+                      ("model_config.enable_sleep_mode", ClosesGate),
                       ("cache_config.kv_cache_dtype_skip_layers", ClosesGate)]:
         assert isinstance(ENGINE_FIELDS[key], kind), key
 

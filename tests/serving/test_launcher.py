@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -91,6 +92,12 @@ def test_without_cuda_the_kv_cache_goes_to_shared_memory_when_it_fits(tmp_path: 
     free_gib = shutil.disk_usage(tmp_path).free / 2**30
     assert default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path)[0] == (
         "lmcache_driven" if free_gib >= 1.2 else "engine_driven")
+    mode, why = default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path,
+                                      server_uid=os.geteuid() + 1)
+    assert mode == "engine_driven" and "another account" in why
+    if free_gib >= 1.2:
+        assert default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path,
+                                     server_uid=os.geteuid())[0] == "lmcache_driven"
     mode, why = default_transfer_mode({"VLLM_CPU_KVCACHE_SPACE": str(int(free_gib) + 1)},
                                       tmp_path)
     assert mode == "engine_driven" and "GiB free" in why  # a full tmpfs would SIGBUS the worker

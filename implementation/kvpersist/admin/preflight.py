@@ -19,10 +19,12 @@ from ..config.server import (
     describe_access,
 )
 from ..identity import FIELDS, IdentityError, load_pins
+from ..serving.lmcache_compat import pins as lmcache_pins
 from ..serving.server.host_memory import l1_refusal, mem_available_bytes
 from ..serving.server.lifecycle import is_healthy, port_is_free
 from ..serving.server.private_paths import PrivatePathError, check_private_dir
 from .budget import BudgetModel, device_ceiling
+from .compat import CompatError, CompatReport, check_installed
 from .restore_limits import describe, restore_limits
 from .shared_fs import SHARED_FS, describe_mount, gluster_client_options, mount_options
 
@@ -143,6 +145,41 @@ def port_checks(settings: ServerSettings, *, running: bool) -> list[Check]:
     return checks
 
 
+def compatibility_checks(report: CompatReport | None, error: str | None = None) -> list[Check]:
+    """The installed versions against the tested ones, every fence feature that would be off,
+    and whether the connector's gate would close: what vLLM would say at start, known before
+    anything starts (read from the installed sources, nothing imported)."""
+    if report is None:
+        return [Check("versions", "error", f"cannot read the installed vLLM/LMCache: {error}")]
+    tested = lmcache_pins.TESTED_VERSIONS
+    found = {"vllm": report.vllm.version, "lmcache": report.lmcache.version}
+    other = [f"{name} {found[name] or 'unknown'} (tested: {tested[name]})" for name in tested
+             if found[name] != tested[name]]
+    checks = [Check("versions", "warn" if other else "ok",
+                    ("not the tested versions: " + ", ".join(other) + "; the checks below "
+                     "decide what runs") if other else
+                    ", ".join(f"{n} {v}" for n, v in found.items()) + " (the tested versions)")]
+    for feature in report.features:
+        if not feature.on:
+            changed = ", ".join(c.qualname for c in feature.changed)
+            checks.append(Check(f"fence {feature.name}",
+                                "error" if feature.unsafe_without else "warn",
+                                f"off: changed {changed}; {feature.if_off}"))
+    on = [f.name for f in report.features if f.on]
+    if on:
+        checks.append(Check("fence", "ok", "on: " + ", ".join(on)))
+    if report.gate_closes:
+        checks.append(Check("gate", "error", "the connector's gate would close, vLLM serving "
+                            "uncached: " + "; ".join(report.gate_reasons)
+                            + " (docs/upgrading.md)"))
+    elif report.breaking:
+        checks.append(Check("gate", "error", "the connector would not load: "
+                            + "; ".join(f"{f.name}: {f.detail}" for f in report.breaking)))
+    else:
+        checks.append(Check("gate", "ok", "the connector's gate would open"))
+    return checks
+
+
 def memory_check(settings: ServerSettings, *, running: bool, meminfo: Path | None = None
                  ) -> Check:
     """L1 against the host's available memory (the running server's L1 is already taken)."""
@@ -161,9 +198,18 @@ def memory_check(settings: ServerSettings, *, running: bool, meminfo: Path | Non
 
 def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | None,
                   production: bool = True, device: Path | None = None,
-                  environ: dict[str, str] | None = None) -> list[Check]:
+                  environ: dict[str, str] | None = None,
+                  compat: CompatReport | None = None) -> list[Check]:
+    """Every check; ``compat``: the installed versions' report (default: read now)."""
     env = dict(os.environ if environ is None else environ)
     checks: list[Check] = []
+    if compat is None:
+        try:
+            compat = check_installed()
+        except CompatError as exc:
+            checks.extend(compatibility_checks(None, str(exc)))
+    if compat is not None:
+        checks.extend(compatibility_checks(compat))
     budget = BudgetModel.from_gb(settings.node_budget_gb, settings.eviction_watermark,
                                  settings.eviction_ratio)
     root = settings.cache_root

@@ -27,7 +27,7 @@ SCOPES = {
     "vllm": "kvp-vllm and the connector in vLLM",
     "admin": "kvp-admin",
 }
-KINDS = ("path", "GB", "bool", "int", "number", "seconds", "choice", "text", "json", "port",
+KINDS = ("path", "GiB", "bool", "int", "number", "seconds", "choice", "text", "json", "port",
          "address", "group", "command", "node id")
 
 
@@ -84,11 +84,11 @@ SETTINGS: tuple[Setting, ...] = (
             "default 256) encrypts KV at rest with kvpersist's AES-GCM, which authenticates "
             "every object together with its object key; the key file must belong to the "
             "server's account and be readable by no one else ([Security](security.md))"),
-    Setting("KVP_L1_SIZE_GB", "GB", "64", "server",
+    Setting("KVP_L1_SIZE_GB", "GiB", "64", "server",
             "LMCache's host-RAM buffer, allocated in full at start; at least 0.001; `kvp-server` "
             "and `kvp-admin preflight` refuse a size above the host's available memory "
             "([sizing](sizing.md))"),
-    Setting("KVP_CACHE_BUDGET_GB", "GB", "1500", "server",
+    Setting("KVP_CACHE_BUDGET_GB", "GiB", "1500", "server",
             "hard cap of the L2 tier, quarantine included (it keeps at most a hundredth of it); "
             "at least 0.001 per node"),
     Setting("KVP_BIND_HOST", "address", "127.0.0.1", "server",
@@ -118,7 +118,7 @@ SETTINGS: tuple[Setting, ...] = (
             "tokens per KV chunk, the unit of storage and reuse (prompts shorter than one "
             "chunk are never stored); `kvp-vllm` passes it to the connector so an engine "
             "started before the server can attach later"),
-    Setting("KVP_RESTORE_WINDOW_GB", "GB", "auto", "server",
+    Setting("KVP_RESTORE_WINDOW_GB", "GiB", "auto", "server",
             "L2 bytes a restore larger than free L1 loads per step (auto: L1/8, at most 2 GB; "
             "at most L1/2; 0: no streaming, the longest prefix that fits)"),
     Setting("KVP_SERVER_NICE", "int", "0", "server",
@@ -175,7 +175,7 @@ SETTINGS: tuple[Setting, ...] = (
             "connector"),
     Setting("KVP_IDENTITY_PINS", "path", "", "vllm",
             "`configs/<model>/identity.env`, the pinned identity of the model "
-            "(`kvp-admin identity pins` writes one)"),
+            "(`kvp-admin identity write-pins` writes one)"),
     Setting("KVP_CHAT_TEMPLATE_FILE", "path", "", "vllm",
             "the chat template the engine serves, when the recipe passes `--chat-template`; "
             "its digest is part of the identity (`kvp-vllm` sets it from the recipe)"),

@@ -3,7 +3,9 @@
 Invariants
 ----------
 * The file is ``$KVP_CONFIG`` when that is set (a missing file is an error), else
-  :data:`DEFAULT_SITE_CONFIG` when it exists, else there is none.
+  :data:`DEFAULT_SITE_CONFIG` when it exists, else there is none; the file an older release
+  read (:data:`LEGACY_SITE_FILE`) left alone without a site file is an error, so settings are
+  never dropped silently by an upgrade.
 * Precedence, the same for every command: a command-line value > the process environment (a
   variable set and not empty) > the site file > the registry's default.
 * Every key in the file is a setting of :mod:`.registry`; an unknown or retired key is a
@@ -26,6 +28,8 @@ from .values import SettingsError
 
 CONFIG_VARIABLE = "KVP_CONFIG"
 DEFAULT_SITE_CONFIG = Path("/etc/kvpersist/kvpersist.env")
+#: What kvpersist 0.1 read next to the units (EnvironmentFile=); no command reads it now.
+LEGACY_SITE_FILE = Path("/etc/kvpersist/lmcache-server.env")
 
 
 def site_config_path(environ: Mapping[str, str] | None = None) -> Path | None:
@@ -38,7 +42,13 @@ def site_config_path(environ: Mapping[str, str] | None = None) -> Path | None:
             raise SettingsError(f"{CONFIG_VARIABLE}={named}: no such file (the site "
                                 "configuration; unset KVP_CONFIG to run without one)")
         return path
-    return DEFAULT_SITE_CONFIG if DEFAULT_SITE_CONFIG.is_file() else None
+    if DEFAULT_SITE_CONFIG.is_file():
+        return DEFAULT_SITE_CONFIG
+    if LEGACY_SITE_FILE.is_file():
+        raise SettingsError(f"{LEGACY_SITE_FILE} is no longer read: move its settings to the "
+                            f"site configuration {DEFAULT_SITE_CONFIG} (the same KEY=value "
+                            "lines) and remove it; see docs/upgrading.md")
+    return None
 
 
 def read_site_config(path: Path) -> dict[str, str]:

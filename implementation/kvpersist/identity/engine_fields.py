@@ -138,7 +138,10 @@ ENGINE_FIELDS: dict[str, Decision] = {
     "model_config.model_class_overrides": ClosesGate("another model class", safe=(None, {}, ())),
     "model_config.generation_config": Neutral(_OUTPUT),
     "model_config.override_generation_config": Neutral(_OUTPUT),
-    "model_config.enable_sleep_mode": Neutral(_RUNTIME),
+    "model_config.enable_sleep_mode": ClosesGate(
+        "sleep mode frees and remaps vLLM's KV memory while the LMCache server keeps its "
+        "registration of it: a transfer after a wake-up could reach memory that is no longer "
+        "the KV cache", safe=(False,)),
     "model_config.sleep_preserve_parameter_names": Neutral(_RUNTIME),
     "model_config.sleep_mode_backend": Neutral(_RUNTIME),
     "model_config.sleep_mode_offload_cudagraph": Neutral(_RUNTIME),

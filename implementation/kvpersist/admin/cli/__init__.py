@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from . import (
     cleanup_cmd,
+    compat_cmd,
     identity_cmd,
     preflight_cmd,
     quota_cmd,
@@ -27,7 +28,7 @@ from . import (
 
 # Subcommands in the order `kvp-admin --help` lists them; each module registers its own parser(s).
 COMMANDS = (identity_cmd, server_cmd, report_cmd, tree_cmd, preflight_cmd, cleanup_cmd, quota_cmd,
-            verify_cmd, recovery_cmd)
+            verify_cmd, recovery_cmd, compat_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,15 +83,28 @@ def parallel_layout(args: Sequence[str]) -> tuple[int, int]:
     return layout
 
 
+def server_account(settings: ServerSettings | None) -> int | None:
+    """The uid that owns the server's runtime directory (the server's account), or None when
+    it is not known (TCP access, no directory yet)."""
+    if settings is None or not settings.unix_sockets:
+        return None
+    try:
+        return settings.socket_dir.stat().st_uid
+    except OSError:
+        return None
+
+
 def default_transfer_mode(environ: Mapping[str, str] | None = None,
-                          shm_dir: Path = SHM_DIR, *, layout: tuple[int, int] = (1, 1)
-                          ) -> tuple[str, str]:
+                          shm_dir: Path = SHM_DIR, *, layout: tuple[int, int] = (1, 1),
+                          server_uid: int | None = None) -> tuple[str, str]:
     """LMCache's transfer mode for this machine and parallel ``layout``, and why.  With CUDA:
     ``auto`` (zero-copy ``lmcache_driven``).  Without: ``lmcache_driven`` too (vLLM's KV cache
     in a ``/dev/shm`` segment per worker that the server maps: a 516 MiB restore took 1.6 s
     against 5.5 s pickled) for the layouts in :data:`PROVEN_CPU_LMCACHE_DRIVEN`, when
     ``/dev/shm`` has room for every worker's ``VLLM_CPU_KVCACHE_SPACE`` (a full tmpfs kills a
-    worker with SIGBUS); otherwise ``engine_driven`` (pickled over ZMQ)."""
+    worker with SIGBUS), and when the server runs as this account (a worker's segment is its
+    own, mode 0600: a server of another account cannot map it, and the worker's registration
+    fails); otherwise ``engine_driven`` (pickled over ZMQ)."""
     try:
         import torch
 
@@ -103,6 +116,10 @@ def default_transfer_mode(environ: Mapping[str, str] | None = None,
     if layout not in PROVEN_CPU_LMCACHE_DRIVEN:
         return "engine_driven", (f"no CUDA, and lmcache_driven is proven on CPU only for "
                                  f"TP 1-2 at PP 1 and PP 2 at TP 1 (this is TP {tp}, PP {pp})")
+    if server_uid is not None and server_uid != os.geteuid():
+        return "engine_driven", (f"no CUDA, and the server runs as another account (uid "
+                                 f"{server_uid}), which cannot map this account's {shm_dir} "
+                                 "segments")
     env = os.environ if environ is None else environ
     space = env.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
     if not space.isdigit() or int(space) <= 0:
@@ -261,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         mode, why = launcher.transfer_mode, "KVP_MP_TRANSFER_MODE"
         if launcher.persist and not mode:  # resolved once: the mode printed is the mode given
-            mode, why = default_transfer_mode(layout=parallel_layout(argv[1:]))
+            mode, why = default_transfer_mode(layout=parallel_layout(argv[1:]),
+                                              server_uid=server_account(settings))
             launcher = dataclasses.replace(launcher, transfer_mode=mode)
         command = vllm_command(argv[0], argv[1:], launcher=launcher, settings=settings)
     except (SettingsError, FileNotFoundError) as exc:
