@@ -71,9 +71,8 @@ def layout(tiny_model: Path) -> Iterator[Layout]:
     run.mkdir()
     os.chown(run, S, G)
     run.chmod(0o750)
-    for home, uid in (("home-s", S), ("home-v", V)):
-        (base / home).mkdir(mode=0o700)
-        os.chown(base / home, uid, uid)
+    (base / "home-v").mkdir(mode=0o700)
+    os.chown(base / "home-v", V, V)
     site = base / "kvpersist.env"
     site.write_text(f"KVP_CACHE_ROOT={cache}\nKVP_RUNTIME_DIR={run}\nKVP_ACCESS=unix\n"
                     f"KVP_ACCESS_GROUP={G}\nKVP_L1_SIZE_GB=0.25\nKVP_CACHE_BUDGET_GB=1\n"
@@ -98,8 +97,9 @@ class ServiceServer:
         cmd = accounts.as_account([str(BIN / "kvp-server"), "run"], uid=S, gid=G,
                                   scratch=self.layout.scratch)
         with self.log.open("ab") as out:
+            # A system account's home is not writable under the unit (ProtectSystem=strict).
             self.proc = subprocess.Popen(cmd, env={**self.layout.unit_env(),
-                                                   "HOME": str(self.layout.base / "home-s")},
+                                                   "HOME": "/nonexistent"},
                                          stdout=out, stderr=subprocess.STDOUT, cwd="/",
                                          start_new_session=True)
         sock = self.layout.run / "http.sock"
@@ -108,6 +108,7 @@ class ServiceServer:
                 "http+unix://" + str(sock).replace("/", "%2F") + "/healthcheck", timeout=1))),
             timeout=120, message="the service's server did not answer")
         assert self.proc.poll() is None, self.log.read_text()[-3000:]
+        assert "CLI-only mode" not in self.log.read_text()  # LMCache's kernels loaded
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

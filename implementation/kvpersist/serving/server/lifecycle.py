@@ -132,10 +132,24 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(value)
 
 
-def server_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
+#: numba's compiled-kernel cache, under the runtime directory (see :func:`server_environment`).
+NUMBA_CACHE_NAME = "numba-cache"
+
+
+def server_environment(base: Mapping[str, str] | None = None,
+                       settings: ServerSettings | None = None) -> dict[str, str]:
     """The server's environment: ``base`` (default: ours) with telemetry forced off.  The L2
-    adapter is imported by the server from the installed ``kvpersist`` package."""
-    return process_env(base)
+    adapter is imported by the server from the installed ``kvpersist`` package.
+
+    With ``settings``, numba caches its kernels in the runtime directory unless
+    ``NUMBA_CACHE_DIR`` says otherwise: LMCache compiles kernels with numba's on-disk cache at
+    import, and a service account can write neither the installed package (read-only under
+    the unit's ``ProtectSystem=strict``) nor a home it does not have; without a writable cache
+    LMCache's compute backend does not load ("CLI-only mode")."""
+    env = process_env(base)
+    if settings is not None and not env.get("NUMBA_CACHE_DIR"):
+        env["NUMBA_CACHE_DIR"] = str(settings.socket_dir / NUMBA_CACHE_NAME)
+    return env
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -305,7 +319,7 @@ def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = No
     try:
         proc = subprocess.Popen(
             cmd,
-            env=server_environment(env),
+            env=server_environment(env, settings),
             stdin=subprocess.DEVNULL,
             stdout=relay.write_fd,
             stderr=subprocess.STDOUT,
@@ -353,7 +367,7 @@ def exec_server(settings: ServerSettings, *, env: Mapping[str, str] | None = Non
     os.umask(0o077)
     try:
         os.chdir(settings.cache_root)
-        os.execve(cmd[0], cmd, server_environment(env))
+        os.execve(cmd[0], cmd, server_environment(env, settings))
     except OSError as exc:
         remove_pid_file(settings.pid_file, record)
         raise ServerError(f"cannot run {cmd[0]}: {exc.strerror}") from None
