@@ -1,5 +1,6 @@
-"""The systemd unit for the server: hardened as promised, matched to the server's timeouts, and
-accepted without a warning by ``systemd-analyze verify`` (with the example drop-in)."""
+"""The systemd unit for the server: hardened as promised, matched to the server's timeouts and to
+the site configuration it names, and accepted without a warning by ``systemd-analyze verify``
+(with the example drop-in)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist.config.envfile import parse_env_lines
 from kvpersist.config.server import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,6 +19,11 @@ UNIT = REPO / "configs" / "systemd" / "kvp-server.service"
 METRICS_UNIT = REPO / "configs" / "systemd" / "kvp-metrics.service"
 DROP_IN = REPO / "configs" / "systemd" / "kvp-server.service.d" / "example.conf"
 INSTALLED_EXEC = "/opt/kvpersist/venv/bin/kvp-server"
+SITE = REPO / "configs" / "systemd" / "kvpersist.env"
+
+
+def site_settings() -> dict[str, str]:
+    return {k: v for _, k, v in parse_env_lines(SITE.read_text(), str(SITE))}
 
 
 def directives(path: Path) -> dict[str, dict[str, list[str]]]:
@@ -44,8 +51,11 @@ def test_unit_is_hardened_and_matches_the_server_settings() -> None:
     assert one["ProtectSystem"] == "strict"
     assert one["NoNewPrivileges"] == "yes" and one["PrivateTmp"] == "yes"
     env = dict(item.split("=", 1) for value in service["Environment"] for item in value.split())
-    assert service["ReadWritePaths"] == [env["KVP_CACHE_ROOT"]]  # the cache root only
-    assert env["KVP_ACCESS"] == "unix" and env["KVP_RUNTIME_DIR"] == "/run/" + one["RuntimeDirectory"]
+    site = site_settings()
+    assert env["KVP_CONFIG"] == "/etc/kvpersist/kvpersist.env"  # and no setting of its own
+    assert service["ReadWritePaths"] == [site["KVP_CACHE_ROOT"]]  # the cache root only
+    assert site["KVP_ACCESS"] == "unix"
+    assert site["KVP_RUNTIME_DIR"] == "/run/" + one["RuntimeDirectory"]
     assert one["RuntimeDirectoryMode"] == "0700"
     assert env["LMCACHE_TRACK_USAGE"] == "false" and env["DO_NOT_TRACK"] == "1"
     assert float(one["TimeoutStopSec"]) == float(DEFAULTS["KVP_STOP_TIMEOUT_S"])
@@ -54,12 +64,18 @@ def test_unit_is_hardened_and_matches_the_server_settings() -> None:
 
 
 def test_drop_in_moves_the_writable_path_with_the_root() -> None:
+    """The drop-in holds what systemd needs (the writable path, the group), the settings stay
+    in the site file: the example's root and group are the ones its comment tells the site
+    file to say."""
     service = directives(DROP_IN)["Service"]
-    env = dict(item.split("=", 1) for value in service["Environment"] for item in value.split())
-    assert service["ReadWritePaths"] == ["", env["KVP_CACHE_ROOT"]]  # reset, then the new root
-    assert env["KVP_ACCESS_GROUP"] and service["RuntimeDirectoryMode"] == ["0750"]
+    assert "Environment" not in service
+    text = DROP_IN.read_text()
+    root = service["ReadWritePaths"][1]
+    assert service["ReadWritePaths"] == ["", root]  # reset, then the new root
+    assert "KVP_CACHE_ROOT in the" in text and root in text
+    assert service["RuntimeDirectoryMode"] == ["0750"]
     # systemd gives the runtime directory the service's group: it must be the access group
-    assert service["Group"] == [env["KVP_ACCESS_GROUP"]]
+    assert f"KVP_ACCESS_GROUP={service['Group'][0]}" in text
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,

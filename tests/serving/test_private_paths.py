@@ -21,7 +21,8 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another acco
 
 
 def settings_for(tmp_path: Path, **over: str):  # type: ignore[no-untyped-def]
-    return load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path / "root"), **over})
+    return load_settings(environ={"KVP_CACHE_ROOT": str(tmp_path / "root"),
+                                  "KVP_L1_SIZE_GB": "1", **over})
 
 
 def test_created_private_and_accepted(tmp_path: Path) -> None:

@@ -35,6 +35,12 @@ def settings_for(tmp_path: Path, **over: str):  # type: ignore[no-untyped-def]
     return load_settings(environ=env)
 
 
+def small_l1(tmp_path: Path, **over: str):  # type: ignore[no-untyped-def]
+    """Settings a start may check: L1 is held against the host's available memory (the default
+    64 GB is a server's, not a test host's)."""
+    return settings_for(tmp_path, KVP_L1_SIZE_GB="1", **over)
+
+
 def test_defaults_follow_the_design(tmp_path: Path) -> None:
     s = settings_for(tmp_path)
     assert (s.bind_host, s.zmq_port, s.http_port) == ("127.0.0.1", 5555, 8080)
@@ -118,7 +124,8 @@ def test_default_adapter_is_kvpersist_plugin(tmp_path: Path) -> None:
         "kvpersist.l2.adapter", "KvPersistL2Adapter")
     assert adapter["adapter_params"] == {  # typed values, as the settings validated them
         "path": str(tmp_path / "root"), "max_capacity_gb": 3.0, "sharded": True,
-        "walker": "auto", "walk_threads": 0, "direct_io": True, "scan_snapshot": True}
+        "walker": "auto", "walk_threads": 0, "direct_io": True, "scan_snapshot": True,
+        "fsync": False, "io_threads": 4, "file_threads": 16, "quarantine_max_files": 1024}
     assert adapter["persist_enabled"] is True
     assert adapter["eviction"]["trigger_watermark"] == 0.9
     with pytest.raises(SettingsError, match="KVP_L2_SHARDED"):
@@ -133,7 +140,7 @@ def test_environment_forces_telemetry_off() -> None:
 
 
 def test_root_is_created_0700(tmp_path: Path) -> None:
-    s = settings_for(tmp_path)
+    s = small_l1(tmp_path)
     check_preconditions(s)
     assert (s.cache_root.stat().st_mode & 0o777) == 0o700
 
@@ -154,7 +161,7 @@ def test_busy_port_refused(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        s = settings_for(tmp_path, KVP_ACCESS="tcp", KVP_HTTP_PORT=str(port))
+        s = small_l1(tmp_path, KVP_ACCESS="tcp", KVP_HTTP_PORT=str(port))
         with pytest.raises(ServerError, match=f"KVP_HTTP_PORT={port} is busy"):
             check_preconditions(s)
 
