@@ -63,7 +63,8 @@ class StoreModel(RuleBasedStateMachine):
         self.media_errors: dict[KeyFields, int] = {}
 
     def _open(self) -> KvFileStore:
-        store = KvFileStore(self.root, 10**9, scan_snapshot=self.snapshot)
+        # O_DIRECT reads and writes, as the adapter's default (buffered where refused)
+        store = KvFileStore(self.root, 10**9, scan_snapshot=self.snapshot, direct_io=True)
         store.open(background_scan=False)
         return store
 

@@ -6,7 +6,8 @@ Invariants
   header (magic, version, header digest, exact key, payload length), the file size and the
   payload digest all check out; anything else raises :class:`FormatError` with a reason tag,
   and the buffer must then be treated as unfilled.
-* **Atomic publish**: :func:`publish` writes through :func:`kvpersist.atomic.write_atomic`:
+* **Atomic publish**: :func:`publish` writes through :func:`kvpersist.atomic.write_atomic`, or
+  with ``O_DIRECT`` through :func:`kvpersist.l2.direct_write.publish_direct` (the same bytes):
   readers see no file or a complete one, and a failed write leaves no temp file.
 * **Direct reads** (``direct=True``, the fd opened with ``O_DIRECT``): the same checks on the
   same bytes; the payload (at offset 4096) is read straight into the caller's buffer where it is
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_atomic
+from .direct_write import publish_direct
 from .format import HEADER_SIZE, build_header, check_header, parse_header, payload_digest
 from .layout import QUARANTINE_DIR, FormatError, KeyFields, format_name, parse_name
 from .read_loop import ReadCounter, read_counted, read_hashed
@@ -41,11 +43,16 @@ _QUARANTINED = re.compile(r"^(?P<name>.+\.kvp)\.(?P<reason>[a-z][a-z0-9-]*)\.(?P
 
 
 def publish(path: Path, key: KeyFields, payload: memoryview, layout: dict[str, Any] | None,
-            *, fsync: bool) -> None:
+            *, fsync: bool, direct: bool = False) -> None:
     """Write header and payload of ``key`` to ``path`` atomically; OSError on failure (no file
-    and no temp file is left then)."""
+    and no temp file is left then).  ``direct``: past the page cache
+    (:mod:`kvpersist.l2.direct_write`; :class:`~kvpersist.l2.direct_write.DirectWriteRefused`
+    where the file system does not take it)."""
     header = build_header(key, payload.nbytes, payload_digest(payload), layout)
-    write_atomic(path, (header, payload), fsync=fsync)
+    if direct:
+        publish_direct(path, header, payload, _bounce_buffer(), fsync=fsync)
+    else:
+        write_atomic(path, (header, payload), fsync=fsync)
 
 
 def read_verified(fd: int, key: KeyFields, out: memoryview,

@@ -61,6 +61,7 @@ from typing import Any
 
 from ..config.admin import WALKERS
 from .census import QuarantineCensus
+from .direct_write import DirectWriteRefused
 from .files import (
     DISK_FULL,
     publish,
@@ -166,8 +167,9 @@ class KvFileStore:
         self.scanner = Scanner(self.root, self.index, self.stats, sharded=sharded, walker=walker,
                                walk_threads=walk_threads,
                                snapshot=scan_snapshot and shared_tree is None)
-        # O_DIRECT reads asked for and not (yet) refused by the file system
+        # O_DIRECT reads and writes asked for and not (yet) refused by the file system
         self.direct_io = direct_io
+        self.direct_writes = direct_io
         self.shared = None if shared_tree is None else SharedTree(
             Path(shared_tree), self.root, lambda key: shard_path_parts(key, self.sharded),
             negative_ttl_s=shared_negative_ttl_s)
@@ -295,7 +297,11 @@ class KvFileStore:
         try:
             if self.sharded:
                 final.parent.mkdir(parents=True, exist_ok=True)
-            publish(final, key, data, layout, fsync=self.fsync)
+            try:
+                publish(final, key, data, layout, fsync=self.fsync, direct=self.direct_writes)
+            except DirectWriteRefused as exc:
+                self._refuse_direct_writes(exc)
+                publish(final, key, data, layout, fsync=self.fsync)
             return "stored"
         except OSError as exc:
             if exc.errno in DISK_FULL:
@@ -433,6 +439,12 @@ class KvFileStore:
             logger.warning("kvpersist L2: O_DIRECT reads refused under %s (%s: %s); reading "
                            "through the page cache from now on", self.root, path.name,
                            exc.strerror)
+
+    def _refuse_direct_writes(self, exc: OSError) -> None:
+        if self.direct_writes:
+            self.direct_writes = False
+            logger.warning("kvpersist L2: O_DIRECT writes refused under %s (%s); writing "
+                           "through the page cache from now on", self.root, exc.strerror)
 
     def quarantine_key(self, key: KeyFields, reason: str, detail: str) -> None:
         """Quarantine ``key``'s file, which passed its own checks but whose payload a layer above

@@ -93,13 +93,14 @@ def injected(fault: Fault) -> Iterator[list[int]]:
                 raise _error(fault.code)
             return fake
         patch(files_module, "read_hashed", make_read)
-    elif fault.call == "write":
+    elif fault.call == "write":  # a buffered publish writes, an O_DIRECT one pwrites
         def make_write(real: Any) -> Any:
-            def fake(fd: int, data: Any) -> int:
+            def fake(fd: int, data: Any, *offset: int) -> int:
                 hits.append(1)
                 raise _error(fault.code)
             return fake
         patch(os, "write", make_write)
+        patch(os, "pwrite", make_write)
     elif fault.call in ("rename", "unlink"):
         def make_path_call(real: Any) -> Any:
             def fake(*args: Any, **kw: Any) -> Any:
