@@ -40,7 +40,13 @@ def test_a_progressing_restore_is_waited_for_a_stalled_one_is_not(tmp_path: Path
     pins = pins_for_model(model, tmp_path / "wide.env")
     messages = long_conversation(1850)
     with slow_disk.slow_disk(tmp_path, size_mb=512, read_bytes_per_s=RATE) as disk:
-        env = server_env(disk.mount / "cache", KVP_CACHE_BUDGET_GB="0.4")
+        # At 5 MiB/s, a segment completes only when all reads in flight before it do (the
+        # throttle shares the device among them): with the default 16 file threads reading
+        # 2 MiB segments, 32 MiB in flight take 6.4 s, past the deadline with no completion
+        # at all. Four threads keep a completion every 1.6 s at most, as on any device whose
+        # rate times the deadline is well above KVP_L2_FILE_THREADS x 2 MiB (docs/sizing.md).
+        env = server_env(disk.mount / "cache", KVP_CACHE_BUDGET_GB="0.4",
+                         KVP_L2_FILE_THREADS="4")
         settings = load_settings(env)
         vllm = VllmProcess(model, pins, tmp_path / "vllm-1.log", env)
         try:

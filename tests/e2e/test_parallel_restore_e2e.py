@@ -40,7 +40,13 @@ from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversatio
 from kvpersist.l2.format import HEADER_SIZE, build_header, parse_header, payload_digest
 from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.corruption import corrupt_file
-from kvpersist.testing.helpers import chunk_hashes, l2_files, server_env, wait_for_stored_chat
+from kvpersist.testing.helpers import (
+    cache_diagnosis,
+    chunk_hashes,
+    l2_files,
+    server_env,
+    wait_for_stored_chat,
+)
 
 pytestmark = pytest.mark.e2e
 CHUNK = 256
@@ -154,6 +160,12 @@ def restore(stack: Stack, topic: str) -> ChatResult:
     return chat(stack.vllm.base_url, long_conversation(TOKENS, topic), timeout=TIMEOUT)
 
 
+def diagnosis(stack: Stack) -> str:
+    """Why a hit was lost (a bypass and its reason, the server's last lines), for CI's log."""
+    return (f"load average {os.getloadavg()}\n"
+            + cache_diagnosis(stack.vllm.log_path, stack.settings.log_file))
+
+
 def identical(a: ChatResult, b: ChatResult) -> bool:
     return (a.tokens, a.logprobs, a.text) == (b.tokens, b.logprobs, b.text)
 
@@ -162,14 +174,14 @@ def test_every_full_chunk_of_every_rank_comes_back_bit_identical(stack: Stack) -
     topic = TOPICS[0]
     warm = restore(stack, topic)
     cold = stack.cold[topic]
-    assert warm.cached_tokens == (cold.prompt_tokens - 1) // CHUNK * CHUNK
+    assert warm.cached_tokens == (cold.prompt_tokens - 1) // CHUNK * CHUNK, diagnosis(stack)
     assert identical(warm, cold)
 
 
 def test_one_rank_s_corrupt_file_cuts_the_hit_at_that_chunk_for_every_rank(stack: Stack) -> None:
     topic = TOPICS[1]
     warm = restore(stack, topic)
-    assert warm.cached_tokens == CORRUPT_CHUNK * CHUNK
+    assert warm.cached_tokens == CORRUPT_CHUNK * CHUNK, diagnosis(stack)
     assert identical(warm, stack.cold[topic])
     bad = stack.files[topic][RANKS[1]][CORRUPT_CHUNK]
     quarantine = stack.settings.cache_root / "quarantine"
@@ -183,6 +195,6 @@ def test_negative_control_another_rank_s_kv_changes_the_output(stack: Stack) -> 
     topic = TOPICS[2]
     warm = restore(stack, topic)
     cold = stack.cold[topic]
-    assert warm.cached_tokens == (cold.prompt_tokens - 1) // CHUNK * CHUNK  # a whole "hit"
+    assert warm.cached_tokens == (cold.prompt_tokens - 1) // CHUNK * CHUNK, diagnosis(stack)  # a whole "hit"
     assert not identical(warm, cold), ("the model's output does not depend on rank 1's KV: "
                                        "the exactness check of this file cannot fail")
