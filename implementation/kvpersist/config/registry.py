@@ -144,10 +144,11 @@ SETTINGS: tuple[Setting, ...] = (
             "two-level `ab/cd/` directories for very large trees (the same on every node of a "
             "shared tree)"),
     Setting("KVP_L2_DIRECT_IO", "bool", "true", "adapter",
-            "read L2 payloads with `O_DIRECT`: past the page cache, straight into L1's "
-            "page-aligned buffers, verified as ever; a file system that refuses it falls back "
-            "to buffered reads with a log line; `false` keeps recently read files in the page "
-            "cache (a working set that fits in RAM)"),
+            "read and write L2 payloads with `O_DIRECT`: past the page cache, straight between "
+            "the device and L1's page-aligned buffers, verified and published atomically as "
+            "ever; a file system that refuses it falls back to buffered I/O with a log line; "
+            "`false` keeps recently used files in the page cache (a working set that fits in "
+            "RAM)"),
     Setting("KVP_L2_FSYNC", "bool", "false", "adapter",
             "fsync each file before it is published (the checksum already turns a torn write "
             "after a power loss into a miss; on costs a flush per chunk)"),
