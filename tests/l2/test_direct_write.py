@@ -62,6 +62,15 @@ def test_a_direct_publish_writes_the_bytes_a_buffered_one_does(
     assert sorted(p.name for p in disk_root.iterdir()) == ["buffered.kvp", "direct.kvp"]
 
 
+def assert_refused_leaving_nothing(folder: Path) -> None:
+    """A direct publish into ``folder`` raises DirectWriteRefused and leaves no file."""
+    header = build_header(key(2), 10, payload_digest(b"x" * 10))
+    bounce = memoryview(mmap.mmap(-1, VERIFY_SEGMENT))
+    with pytest.raises(DirectWriteRefused):
+        publish_direct(folder / "f.kvp", header, memoryview(b"x" * 10), bounce, fsync=False)
+    assert list(folder.iterdir()) == []
+
+
 def test_a_file_system_without_o_direct_is_refused_cleanly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_open = os.open
@@ -72,11 +81,7 @@ def test_a_file_system_without_o_direct_is_refused_cleanly(
         return real_open(path, flags, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "open", refusing)
-    header = build_header(key(2), 10, payload_digest(b"x" * 10))
-    bounce = memoryview(mmap.mmap(-1, VERIFY_SEGMENT))
-    with pytest.raises(DirectWriteRefused):
-        publish_direct(tmp_path / "f.kvp", header, memoryview(b"x" * 10), bounce, fsync=False)
-    assert list(tmp_path.iterdir()) == []
+    assert_refused_leaving_nothing(tmp_path)
 
 
 def test_a_write_refused_midway_leaves_no_temp_file(
@@ -85,11 +90,7 @@ def test_a_write_refused_midway_leaves_no_temp_file(
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(os, "pwrite", refusing)
-    header = build_header(key(3), 10, payload_digest(b"y" * 10))
-    bounce = memoryview(mmap.mmap(-1, VERIFY_SEGMENT))
-    with pytest.raises(DirectWriteRefused):
-        publish_direct(disk_root / "f.kvp", header, memoryview(b"y" * 10), bounce, fsync=False)
-    assert list(disk_root.iterdir()) == []
+    assert_refused_leaving_nothing(disk_root)
 
 
 def test_the_store_falls_back_to_buffered_writes_once_refused(
