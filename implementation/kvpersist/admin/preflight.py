@@ -20,7 +20,7 @@ from ..config.server import (
 )
 from ..identity import FIELDS, IdentityError, load_pins
 from ..serving.lmcache_compat import pins as lmcache_pins
-from ..serving.server.host_memory import l1_refusal, mem_available_bytes
+from ..serving.server.host_memory import MEMINFO, l1_refusal, mem_available_bytes
 from ..serving.server.lifecycle import is_healthy, port_is_free
 from ..serving.server.private_paths import PrivatePathError, check_private_dir
 from .budget import BudgetModel, device_ceiling
@@ -180,17 +180,15 @@ def compatibility_checks(report: CompatReport | None, error: str | None = None) 
     return checks
 
 
-def memory_check(settings: ServerSettings, *, running: bool, meminfo: Path | None = None
-                 ) -> Check:
+def memory_check(settings: ServerSettings, *, running: bool, meminfo: Path = MEMINFO) -> Check:
     """L1 against the host's available memory (the running server's L1 is already taken)."""
     l1 = f"KVP_L1_SIZE_GB={settings.l1_size_gb:g}"
     if running:
         return Check("L1 memory", "ok", f"{l1}: allocated by the running server")
-    kwargs = {} if meminfo is None else {"meminfo": meminfo}
-    refusal = l1_refusal(settings, **kwargs)
+    available = mem_available_bytes(meminfo)
+    refusal = l1_refusal(settings, available)
     if refusal is not None:
         return Check("L1 memory", "error", refusal + "; the server refuses to start")
-    available = mem_available_bytes(**kwargs)
     if available is None:
         return Check("L1 memory", "warn", f"{l1}: this host does not report MemAvailable")
     return Check("L1 memory", "ok", f"{l1} of {available / 2**30:.1f} GiB available")

@@ -51,6 +51,7 @@ from ..serving.launcher.vllm_client import (
     stream_chat,
 )
 from ..serving.lmcache_compat import status as server_status
+from ..serving.pidfile import PidState, check_pid_file
 from ..serving.server.lifecycle import ServerError, is_healthy, start_server, stop_server
 from .page_cache import drop_page_cache, evict_files
 
@@ -121,8 +122,6 @@ def systemd_unit_of(pid: int, proc: Path = Path("/proc")) -> str | None:
 
 def server_owner(settings: ServerSettings) -> tuple[int, int] | None:
     """(pid, uid) of the running server from its pid file, or None."""
-    from ..serving.pidfile import PidState, check_pid_file
-
     status = check_pid_file(settings.pid_file)
     if status.state is not PidState.RUNNING or status.record is None:
         return None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import values
+from .registry import default_of
 from .site import effective_environ
 
 WALKERS = ("auto", "c", "python")
@@ -34,11 +35,14 @@ def load_admin_settings(environ: Mapping[str, str] | None = None) -> AdminSettin
     def get(name: str) -> str | None:
         return values.present(env, name)
 
+    def get_or_default(name: str) -> str:
+        return get(name) or default_of(name)
+
     quotas, mount, results = get("KVP_QUOTAS_FILE"), get("KVP_CACHE_MOUNT"), get("KVP_RESULTS_DIR")
     return AdminSettings(
         quotas_file=Path(quotas) if quotas else None,
-        walker=values.choice("KVP_WALKER", get("KVP_WALKER") or "auto", WALKERS),
-        walk_threads=values.integer("KVP_WALK_THREADS", get("KVP_WALK_THREADS") or "0",
+        walker=values.choice("KVP_WALKER", get_or_default("KVP_WALKER"), WALKERS),
+        walk_threads=values.integer("KVP_WALK_THREADS", get_or_default("KVP_WALK_THREADS"),
                                     minimum=0),
         cache_mount=Path(mount) if mount else None,
         block_device=get("KVP_CACHE_BLOCK_DEVICE"),

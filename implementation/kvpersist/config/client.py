@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import values
+from .registry import default_of
 from .site import effective_environ
 from .values import SettingsError
 
@@ -37,10 +38,11 @@ LOOKUP_MAX_KEY = "kvpersist.lookup_max_s"
 BYPASS_KEY = "kvpersist.cache_bypass"
 CHUNK_SIZE_KEY = "kvpersist.chunk_size"
 
-DEFAULT_LOOKUP_TIMEOUT_S = 5.0  # the longest a lookup may go without progress
-DEFAULT_LOOKUP_MAX_S = 600.0  # the longest a lookup may take, progressing or not
-DEFAULT_HEARTBEAT_S = 2.0
-DEFAULT_MQ_TIMEOUT_S = 15.0
+# The defaults are the registry's (kvpersist.config.registry), parsed once.
+DEFAULT_LOOKUP_TIMEOUT_S = float(default_of("KVP_LOOKUP_TIMEOUT_S"))  # without progress
+DEFAULT_LOOKUP_MAX_S = float(default_of("KVP_LOOKUP_MAX_S"))  # progressing or not
+DEFAULT_HEARTBEAT_S = float(default_of("KVP_HEARTBEAT_S"))
+DEFAULT_MQ_TIMEOUT_S = float(default_of("KVP_MQ_TIMEOUT_S"))
 
 # Connector option → (its environment variable, or None).
 _OPTION_ENV: dict[str, str] = {
@@ -147,7 +149,7 @@ def load_launcher_settings(environ: Mapping[str, str] | None = None) -> Launcher
 
     mode = get("KVP_MP_TRANSFER_MODE")
     return LauncherSettings(
-        persist=values.boolean("KV_PERSIST", get("KV_PERSIST") or "1"),
+        persist=values.boolean("KV_PERSIST", get("KV_PERSIST") or default_of("KV_PERSIST")),
         identity_pins=get("KVP_IDENTITY_PINS"),
         vllm_exec=get("KVP_VLLM_EXEC") or "",
         python=get("KVP_PYTHON"),
@@ -157,5 +159,6 @@ def load_launcher_settings(environ: Mapping[str, str] | None = None) -> Launcher
         mq_timeout_s=seconds("KVP_MQ_TIMEOUT_S", DEFAULT_MQ_TIMEOUT_S),
         transfer_mode=None if mode is None else values.choice("KVP_MP_TRANSFER_MODE", mode,
                                                               TRANSFER_MODES),
-        bypass=values.boolean("KVP_CACHE_BYPASS", get("KVP_CACHE_BYPASS") or "0"),
+        bypass=values.boolean("KVP_CACHE_BYPASS",
+                              get("KVP_CACHE_BYPASS") or default_of("KVP_CACHE_BYPASS")),
     )

@@ -12,6 +12,7 @@ exactly what :func:`settings_table` and :func:`site_file` render from
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -38,19 +39,13 @@ def settings_table() -> str:
     return "\n".join(lines)
 
 
+#: A Markdown link: its words, then its target.
+_LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
+
+
 def _plain(markdown: str) -> str:
     """Markdown to comment text: links keep their words, backticks go."""
-    out, i = [], 0
-    while i < len(markdown):
-        if markdown[i] == "[" and "](" in markdown[i:]:
-            close = markdown.index("](", i)
-            end = markdown.index(")", close)
-            out.append(markdown[i + 1:close])
-            i = end + 1
-            continue
-        out.append(markdown[i])
-        i += 1
-    return "".join(out).replace("`", "")
+    return _LINK.sub(r"\1", markdown).replace("`", "")
 
 
 def site_file() -> str:
@@ -85,7 +80,8 @@ def _page_with_table(page: str) -> str:
 def stale(page_path: Path = CONFIG_PAGE, site_path: Path = SITE_TEMPLATE) -> list[str]:
     """The generated files that differ from what the registry renders."""
     out = []
-    if page_path.read_text() != _page_with_table(page_path.read_text()):
+    page = page_path.read_text()
+    if page != _page_with_table(page):
         out.append(str(page_path))
     if not site_path.is_file() or site_path.read_text() != site_file():
         out.append(str(site_path))

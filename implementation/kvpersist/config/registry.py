@@ -242,6 +242,11 @@ RETIRED: dict[str, str] = {
 }
 
 
+def default_of(name: str) -> str:
+    """The registry's default of setting ``name``: the one place a loader takes it from."""
+    return BY_NAME[name].default
+
+
 def defaults(*scopes: str) -> dict[str, str]:
     """Name → default of every setting of ``scopes``."""
     return {s.name: s.default for s in SETTINGS if s.scope in scopes}

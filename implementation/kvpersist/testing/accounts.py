@@ -15,9 +15,11 @@ kept) before it runs; :func:`unavailable` says why a host cannot run them (not r
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,14 +54,12 @@ def as_account(command: Sequence[str], *, uid: int, gid: int, groups: Sequence[i
 @functools.cache
 def unavailable(scratch: Path = Path("/tmp")) -> str | None:
     """Why this host cannot run commands as other accounts, or None."""
-    import os
-
     if os.geteuid() != 0:
         return "needs root"
     for tool in ("setpriv", "unshare", "mount"):
         if shutil.which(tool) is None:
             return f"needs {tool}"
-    hold = Path(__import__("tempfile").mkdtemp(prefix="kvp-acct-", dir=scratch))
+    hold = Path(tempfile.mkdtemp(prefix="kvp-acct-", dir=scratch))
     try:
         probe = subprocess.run(
             as_account([sys.executable, "-c", "import os; print(os.getuid())"],

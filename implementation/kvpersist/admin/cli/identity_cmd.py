@@ -77,13 +77,18 @@ def engine_flags(args: argparse.Namespace) -> IdentityFlags:
     return dataclasses.replace(recipe, **explicit)
 
 
+def model_folder(args: argparse.Namespace, flags: IdentityFlags) -> str | None:
+    """``--model-folder``, else the recipe's model when it is a local folder."""
+    return args.model_folder or (flags.model if flags.model and Path(flags.model).is_dir()
+                                 else None)
+
+
 def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
     """Pins (``--pins``) checked against what the model folder, the recipe's vLLM arguments
     (``--vllm-args``), the explicit flags and ``--set`` say (later ones win)."""
     pins: dict[str, object] = dict(load_pins(args.pins)) if args.pins else {}
     flags = engine_flags(args)
-    folder = args.model_folder or (flags.model if flags.model and Path(flags.model).is_dir()
-                                   else None)
+    folder = model_folder(args, flags)
     live: dict[str, object] = {}
     if folder:
         live.update(from_model_folder(
@@ -145,9 +150,7 @@ def local_folder_fields(args: argparse.Namespace) -> list[str]:
     revision to read: the revisions are a content digest of the folder
     (:func:`kvpersist.identity.sources.folder_digest`), the ids ``local/<folder name>``; a field
     the operator set is kept."""
-    flags = engine_flags(args)
-    folder = args.model_folder or (flags.model if flags.model and Path(flags.model).is_dir()
-                                   else None)
+    folder = model_folder(args, engine_flags(args))
     if not folder or not Path(folder).is_dir() or hf_snapshot_origin(Path(folder)) is not None:
         return []
     path = Path(folder).resolve()

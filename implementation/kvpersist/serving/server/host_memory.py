@@ -2,9 +2,9 @@
 size above what the host has available ends in the OOM killer (the server, or vLLM beside it)
 instead of an error.
 
-Invariant: :func:`l1_refusal` reads ``MemAvailable`` (the kernel's estimate of what can be
-allocated without swapping) and answers a fix-it message when L1 exceeds it, else None; a host
-that does not report it (no ``/proc/meminfo``) is not refused.
+Invariant: :func:`l1_refusal` answers a fix-it message when L1 exceeds ``MemAvailable`` (the
+kernel's estimate of what can be allocated without swapping, :func:`mem_available_bytes`), else
+None; a host that does not report it (no ``/proc/meminfo``) is not refused.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def mem_available_bytes(meminfo: Path = MEMINFO) -> int | None:
     return None
 
 
-def l1_refusal(settings: ServerSettings, meminfo: Path = MEMINFO) -> str | None:
-    """Why L1 cannot be allocated on this host now, or None."""
-    available = mem_available_bytes(meminfo)
+def l1_refusal(settings: ServerSettings, available: int | None) -> str | None:
+    """Why L1 cannot be allocated on a host with ``available`` bytes
+    (:func:`mem_available_bytes`), or None."""
     l1 = settings.l1_size_gb * 2**30
     if available is None or l1 <= available:
         return None

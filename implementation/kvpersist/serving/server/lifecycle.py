@@ -56,7 +56,7 @@ from ..pidfile import (
 )
 from ..shm_sweep import sweep_stale_segments
 from .entry import SocketPathError, clear_stale_socket, remove_socket
-from .host_memory import l1_refusal
+from .host_memory import l1_refusal, mem_available_bytes
 from .log_relay import Rotation, start_log_relay
 from .private_paths import (
     PrivatePathError,
@@ -229,7 +229,7 @@ def check_preconditions(settings: ServerSettings) -> PidStatus:
             f"an LMCache server (pid {status.record.pid}) already runs on {settings.cache_root}; "
             "one server per cache root. Stop it first (scripts/kvp-server.sh stop)"
         )
-    too_large = l1_refusal(settings)
+    too_large = l1_refusal(settings, mem_available_bytes())
     if too_large is not None:
         raise ServerError(too_large)
     if settings.unix_sockets:

@@ -94,8 +94,10 @@ def relay(source: int, sink: int, rotation: Rotation | None = None) -> int:
         if not data:
             return dropped
         if rotation is not None and size and size + len(data) > rotation.max_bytes:
-            # The line in progress ends in the old file, so no line is split between two.
-            cut = data.find(b"\n") + 1 if size + data.find(b"\n") < rotation.max_bytes * 2 else 0
+            # The line in progress ends in the old file, so no line is split between two
+            # (unless it is longer than the bound itself).
+            newline = data.find(b"\n")
+            cut = newline + 1 if 0 <= newline < 2 * rotation.max_bytes - size else 0
             if cut:
                 error = _write_all(sink, data[:cut])
                 if error is not None:
