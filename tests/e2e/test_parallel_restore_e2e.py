@@ -48,7 +48,9 @@ from kvpersist.testing.helpers import (
     wait_for_stored_chat,
 )
 
-pytestmark = pytest.mark.e2e
+# serial: a TP/PP engine holds both cores; beside another engine in the shared pass its server
+# was starved (load 13-18) and restores were given up (3 of 4 clean-clone runs lost a hit)
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 CHUNK = 256
 TOKENS = 1300  # 5 full chunks
 TIMEOUT = 300.0
