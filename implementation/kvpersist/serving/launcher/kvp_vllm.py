@@ -94,6 +94,11 @@ def server_account(settings: ServerSettings | None) -> int | None:
         return None
 
 
+def shm_free_bytes(shm_dir: Path) -> int:
+    """Bytes free in ``shm_dir`` now (the one measurement the mode choice rests on)."""
+    return shutil.disk_usage(shm_dir).free
+
+
 def default_transfer_mode(environ: Mapping[str, str] | None = None,
                           shm_dir: Path = SHM_DIR, *, layout: tuple[int, int] = (1, 1),
                           server_uid: int | None = None) -> tuple[str, str]:
@@ -128,7 +133,7 @@ def default_transfer_mode(environ: Mapping[str, str] | None = None,
     workers = tp * pp
     need = (int(space) << 30) * workers
     try:
-        free = shutil.disk_usage(shm_dir).free
+        free = shm_free_bytes(shm_dir)
     except OSError as exc:
         return "engine_driven", f"no CUDA, and {shm_dir} cannot be used ({exc.strerror})"
     total = f"{workers} x {space} GiB KV cache" if workers > 1 else f"{space} GiB KV cache"
