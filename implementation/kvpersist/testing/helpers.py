@@ -183,12 +183,11 @@ def chunk_hashes(model_dir: Path, messages: list[dict[str, str]], chunk: int = 2
     that damages "chunk k" finds its files by these, not by modification time, whose
     granularity gives many files of one request the same stamp."""
     from lmcache.v1.multiprocess.token_hasher import TokenHasher
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)
-    return list(TokenHasher(chunk, "blake3").compute_chunk_hashes(list(rendered["input_ids"])))
+    from .kv_writer import chat_token_ids
+
+    return list(TokenHasher(chunk, "blake3").compute_chunk_hashes(
+        chat_token_ids(model_dir, messages)))
 
 
 def wait_for_stored_chat(root: Path, count: int, resend: Callable[[], object], *,
