@@ -1,0 +1,227 @@
+"""Benchmark (on demand, never in CI): restores up to a million tokens through real vLLM (CPU).
+
+A cold prefill of 1M tokens takes hours here, so the prompt's KV is written into L2 by the
+synthetic-KV writer (:mod:`kvpersist.testing.kv_writer`) through the real LMCache server and
+kvpersist's adapter, under exactly the keys vLLM's connector looks up.  Then, for each length,
+both processes are restarted, the page cache is dropped, the same files are read raw (cold,
+page cache dropped again), and the prompt's first ``length`` tokens plus a short suffix are
+sent through ``kvp-vllm``: every full chunk must come from L2 (``cached_tokens``).  The answer
+is not compared with a cold run: the KV is synthetic (the writer's CI test proves its keys and
+layout on a real prefix, bit-identical).
+
+    .venv/bin/python benchmarks/bench_million.py
+        # 128k, 256k, 512k and 1M tokens at 4 KiB of KV per token (8 layers x 2 KV heads x 32,
+        # float32: 4 GiB for 1M tokens) through an L1 of 1 GiB, a quarter of the 1M's KV
+    .venv/bin/python benchmarks/bench_million.py --lengths 131072 --json OUT --plot OUT.png
+
+What each row says, per length: TTFT (one generated token, so the request's latency); LMCache's
+lookup (the scheduler's wait: it includes loading the first L1 window from L2); the L2 read
+(kvpersist's adapter: read and verify, all windows); the suffix's compute (the same prompt sent
+again, its prefix now in vLLM's own cache); the rest (L1 to the engine, scheduling); the raw
+cold read of the same files; and each per chunk, which stays flat if nothing is quadratic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpersist.config.server import load_settings
+from kvpersist.demo.stack import VllmProcess, metric_sum
+from kvpersist.demo.tiny_model import Geometry, build_tiny_model
+from kvpersist.l2.layout import parse_name
+from kvpersist.serving.launcher.vllm_client import http_json, served_model
+from kvpersist.serving.server.lifecycle import start_server, stop_server
+from kvpersist.testing.helpers import adapter_status, l2_files, pins_for_model, server_env
+from kvpersist.testing.kv_writer import (
+    CHUNK_TOKENS,
+    EngineLayout,
+    KvWriter,
+    namespace_record,
+    seeded_fill,
+)
+from kvpersist.testing.plot import line_plot
+from kvpersist.testing.slow_disk import drop_caches
+
+#: 8 layers x 2 KV heads x 32, float32: 4 KiB of KV per token, 4 GiB at 1M tokens.
+GEOMETRY = Geometry("kvpersist/tiny-llama-1m", 128, 8, 4, 2, 32, 1_100_000)
+LENGTHS = (131_072, 262_144, 524_288, 1_048_576)
+SUFFIX = 100  # tokens after the last full chunk: computed by vLLM on every restore
+LOOKUP = "vllm:lmcache_mp_lookup_duration_seconds_sum"
+TIMEOUT = 7200.0
+
+
+def complete(base_url: str, ids: list[int]) -> dict[str, Any]:
+    """One token for the prompt ``ids`` (the completions API takes token IDs as they are)."""
+    body = {"model": served_model(base_url), "prompt": ids, "max_tokens": 1,
+            "temperature": 0.0}
+    began = time.monotonic()
+    reply = http_json(base_url + "/v1/completions", body, timeout=TIMEOUT)
+    usage = reply["usage"]
+    return {"seconds": time.monotonic() - began, "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": int((usage.get("prompt_tokens_details") or {})
+                                 .get("cached_tokens") or 0)}
+
+
+def raw_cold_read(files: list[Path]) -> float:
+    """Seconds to read ``files`` whole after dropping the page cache (no kvpersist, no LMCache)."""
+    drop_caches()
+    began = time.monotonic()
+    for path in files:
+        with path.open("rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
+    return time.monotonic() - began
+
+
+def files_by_hash(root: Path) -> dict[bytes, Path]:
+    return {parse_name(name).chunk_hash: root / name for name in l2_files(root, (".kvp",))}
+
+
+def write_prompt(settings: Any, layout: EngineLayout, ids: list[int], l1_chunks: int) -> float:
+    """Write every full chunk of ``ids`` in STOREs of a quarter of L1 at most; between STOREs,
+    wait until L2 is within half an L1 of the writer (LMCache drops without an error what a
+    full L1 cannot reserve, so a chunk that never reaches L2 stops the run).  Seconds."""
+    root = settings.cache_root
+    stall_s = 120.0
+
+    def on_disk() -> int:
+        return sum(1 for p in root.iterdir() if p.suffix == ".kvp")
+
+    def wait_for(count: int) -> None:
+        seen, since = on_disk(), time.monotonic()
+        while seen < count:
+            time.sleep(0.2)
+            now = on_disk()
+            if now > seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since > stall_s:
+                raise SystemExit(f"L2 holds {seen} of {count} chunks and has not grown for "
+                                 f"{stall_s:.0f} s: chunks were dropped (L1 too small?)")
+
+    began = time.monotonic()
+    per_store = max(1, min(32, l1_chunks // 4))
+    with KvWriter(settings.request_url, layout, chunks_per_store=per_store) as writer:
+        written = writer.write(ids, seeded_fill(1),
+                               between_stores=lambda done: wait_for(done - l1_chunks // 2))
+    wait_for(written)
+    return time.monotonic() - began
+
+
+def restore(args: argparse.Namespace, work: Path, model: Path, pins: Path, env: dict[str, str],
+            ids: list[int], length: int) -> dict[str, Any]:
+    """Both processes restarted, page cache dropped: the prompt of ``length`` full-chunk tokens
+    plus :data:`SUFFIX`, restored and timed, beside a raw cold read of the same files."""
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+    settings = load_settings({k: v for k, v in env.items() if not k.startswith("VLLM_")})
+    hashes = TokenHasher(CHUNK_TOKENS, "blake3").compute_chunk_hashes(ids[:length])
+    by_hash = files_by_hash(settings.cache_root)
+    files = [by_hash[h] for h in hashes]
+    raw_s = raw_cold_read(files)
+    start_server(settings)
+    vllm = VllmProcess(model, pins, work / f"vllm-{length}.log", env,
+                       max_model_len=args.max_len, compile=True)
+    try:
+        vllm.start(timeout=1800)
+        before, status_before = vllm.metrics(), adapter_status(settings)
+        drop_caches()
+        prompt = ids[:length + SUFFIX]
+        warm = complete(vllm.base_url, prompt)
+        after, status_after = vllm.metrics(), adapter_status(settings)
+        again = complete(vllm.base_url, prompt)  # the prefix in vLLM's own cache now
+    finally:
+        vllm.kill()
+        stop_server(settings)
+    chunks = len(hashes)
+    lookup = metric_sum(after, LOOKUP) - metric_sum(before, LOOKUP)
+    l2_read = status_after["load_seconds"] - status_before["load_seconds"]
+    ttft, suffix = warm["seconds"], again["seconds"]
+    row = {"tokens": length + SUFFIX, "chunks": chunks,
+           "kv_gib": round(chunks * CHUNK_TOKENS * GEOMETRY.kv_bytes_per_token / 2**30, 3),
+           "cached_tokens": warm["cached_tokens"], "full_chunk_tokens": chunks * CHUNK_TOKENS,
+           "ttft_s": round(ttft, 2), "lookup_s": round(lookup, 2), "l2_read_s": round(l2_read, 2),
+           "suffix_s": round(suffix, 2), "rest_s": round(ttft - lookup - suffix, 2),
+           "raw_cold_read_s": round(raw_s, 2),
+           "restore_over_raw": round((ttft - suffix) / raw_s, 2) if raw_s else None}
+    row["ms_per_chunk"] = {k: round(1000 * float(row[k]) / chunks, 3)
+                           for k in ("ttft_s", "lookup_s", "l2_read_s", "rest_s",
+                                     "raw_cold_read_s")}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                        help="comma-separated prompt lengths in full-chunk tokens (each a "
+                        f"multiple of {CHUNK_TOKENS}); default %(default)s")
+    parser.add_argument("--l1-gb", type=float, default=1.0,
+                        help="the server's L1 in GiB (default 1: a quarter of 1M tokens' KV)")
+    parser.add_argument("--work", help="work directory (default: a temp dir)")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--plot", type=Path, help="write TTFT against length here (PNG)")
+    args = parser.parse_args()
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    if any(n % CHUNK_TOKENS for n in lengths):
+        parser.error(f"every length must be a multiple of {CHUNK_TOKENS}")
+    work = Path(args.work or tempfile.mkdtemp(prefix="kvp-million-"))
+    args.max_len = lengths[-1] + SUFFIX + 64
+    model = build_tiny_model(work / "models", GEOMETRY)
+    pins = pins_for_model(model, work / "pins.env", max_model_len=args.max_len)
+    kv_gib = lengths[-1] * GEOMETRY.kv_bytes_per_token / 2**30
+    env = server_env(work / "cache", KVP_L1_SIZE_GB=f"{args.l1_gb:g}",
+                     KVP_CACHE_BUDGET_GB=str(int(kv_gib) + 2))
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.max_len * GEOMETRY.kv_bytes_per_token
+                                            / 2**30) + 1)
+    settings = load_settings({k: v for k, v in env.items() if not k.startswith("VLLM_")})
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    ids = [rng.randrange(16, vocab) for _ in range(lengths[-1] + SUFFIX)]
+
+    # vLLM once with the serving recipe: it records the namespace the writer keys by.
+    start_server(settings)
+    vllm = VllmProcess(model, pins, work / "vllm-record.log", env, max_model_len=args.max_len,
+                       compile=True)
+    try:
+        vllm.start(timeout=1800)
+        complete(vllm.base_url, ids[:64])
+    finally:
+        vllm.kill()
+    layout = EngineLayout.from_record(namespace_record(settings.cache_root))
+    l1_chunks = int(args.l1_gb * 2**30 // layout.chunk_bytes)
+    write_s = write_prompt(settings, layout, ids[:lengths[-1]], l1_chunks)
+    stop_server(settings)
+    print(f"wrote {lengths[-1] // CHUNK_TOKENS} chunks "
+          f"({kv_gib:.2f} GiB) in {write_s:.1f} s", flush=True)
+
+    rows = [restore(args, work, model, pins, env, ids, n) for n in lengths]
+    print(f"\n{'tokens':>9} {'KV GiB':>7} {'TTFT s':>7} {'lookup':>7} {'L2 read':>8} "
+          f"{'suffix':>7} {'rest':>6} {'raw read':>9} {'x raw':>6} {'ms/chunk':>9} {'cached':>9}")
+    for r in rows:
+        print(f"{r['tokens']:>9} {r['kv_gib']:>7} {r['ttft_s']:>7} {r['lookup_s']:>7} "
+              f"{r['l2_read_s']:>8} {r['suffix_s']:>7} {r['rest_s']:>6} "
+              f"{r['raw_cold_read_s']:>9} {r['restore_over_raw']!s:>6} "
+              f"{r['ms_per_chunk']['ttft_s']:>9} {r['cached_tokens']:>9}")
+    result = {"geometry": GEOMETRY._asdict(), "kv_bytes_per_token": GEOMETRY.kv_bytes_per_token,
+              "l1_gb": args.l1_gb, "write_s": round(write_s, 1), "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        line_plot(args.plot, "Restore from L2 through vLLM (CPU), 4 KiB KV/token, L1 1 GiB",
+                  "prompt tokens", "seconds", {
+                      "TTFT (restored)": [(r["tokens"], r["ttft_s"]) for r in rows],
+                      "raw cold read of the files": [(r["tokens"], r["raw_cold_read_s"])
+                                                     for r in rows],
+                      "lookup": [(r["tokens"], r["lookup_s"]) for r in rows],
+                      "suffix compute": [(r["tokens"], r["suffix_s"]) for r in rows]})
+    return 0 if all(r["cached_tokens"] == r["full_chunk_tokens"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
