@@ -11,7 +11,8 @@ tests/e2e/test_long_conversation_e2e.py (34k tokens, 34 MiB of KV).
     .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 127500 --l1-gb 0.5
         # 131k tokens at 16 KiB/token (2 GiB of KV) through an L1 of 0.5 GiB: the restore
         # streams through L1 (kvpersist.serving.lmcache_compat.l1_window); also a cold raw read of the
-        # same files, with the page cache dropped, for comparison
+        # same files, with the page cache dropped, and the same chat sent again with its prefix
+        # in vLLM (the suffix's compute and the answer), so the restore alone is compared
     .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 127500 --l1-gb 0.5 \
         --l2-direct-io true --also-restore-with-direct-io false --also-restore-with-direct-io true
         # the same, restored with O_DIRECT, buffered and O_DIRECT again on one stored chat
@@ -128,12 +129,18 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
                     "l2_load_seconds": status["load_seconds"]}
 
         vllm, warm, status = restore(env, "vllm-2.log")
+        # The same chat again on the same vLLM, its prefix now in vLLM's own cache: what the
+        # suffix after the last full chunk and the answer cost without any restore.
+        suffix_s = chat(vllm.base_url, messages, timeout=7200).seconds
         raw_s, raw_bytes = raw_cold_read(sorted(
             p for p in settings.cache_root.iterdir() if p.suffix in (".kvp", ".bin")))
         result.update(
             l1_gb=l1_gb, l1_to_kv=round(l1_gb / kv_gib, 3) if kv_gib else None,
             raw_cold_read_s=round(raw_s, 2), raw_cold_read_gib=round(raw_bytes / 2**30, 3),
             restored_over_raw_read=round(warm.seconds / raw_s, 2) if raw_s else None,
+            suffix_and_answer_s=round(suffix_s, 2),
+            restore_alone_over_raw_read=round((warm.seconds - suffix_s) / raw_s, 2)
+            if raw_s else None,
             cold_over_restored=round(cold.seconds / warm.seconds, 2) if warm.seconds else None,
             restored_s=round(warm.seconds, 2),
             hit_tokens=metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total"),

@@ -159,6 +159,8 @@ class RestoreStats:
     evicted_objects: int = 0
     evicted_bytes: int = 0
     released_abandoned: int = 0
+    stores_dropped: int = 0  # chunks of STOREs that L1 could not take, even after evicting
+    stores_dropped_bytes: int = 0
     cut_short: dict[str, int] = field(default_factory=dict)
     cut_short_tokens: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

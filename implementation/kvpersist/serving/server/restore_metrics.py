@@ -9,6 +9,9 @@ the background), and ``kvpersist_restore_cut_short{reason}`` with
 ``kvpersist_restore_cut_short_tokens{reason}``: restores that delivered less than the prefix L1
 and L2 held, by reason (``l1_full``: L1 could not take it even after evicting clean objects;
 ``load_failed``: a file did not load or verify; ``stream_failed``: a streamed window did not).
+Beside them, ``kvpersist_l1_stores_dropped`` / ``..._bytes``: chunks of STOREs that L1 could not
+take even after evicting clean objects (L2 behind the engine); LMCache skips them without an
+error and vLLM counts them as stored, so this is the only count of KV never written.
 
 Invariant: values are read from the window's snapshot at scrape time; nothing is counted here.
 """
@@ -35,6 +38,10 @@ _METRICS = ObservedMetrics(METER, "the restore counters", counters={
                                                   field("evicted_bytes")),
     "kvpersist_restore.released_abandoned": ("Abandoned lookups released when their load ended",
                                              field("released_abandoned")),
+    "kvpersist_l1.stores_dropped": ("Chunks of STOREs L1 could not take (not written to L2)",
+                                    field("stores_dropped")),
+    "kvpersist_l1.stores_dropped_bytes": ("Bytes of STOREs L1 could not take",
+                                          field("stores_dropped_bytes")),
     "kvpersist_restore.cut_short": ("Restores that got less than the prefix L1 and L2 held",
                                     by_label("cut_short", "reason")),
     "kvpersist_restore.cut_short_tokens": ("Tokens recomputed by restores cut short",

@@ -7,7 +7,9 @@ Invariants
   order: eviction loses nothing that is not on L2.
 * A reservation that still does not fit after three rounds of eviction is reserved as the
   longest prefix of its row that fits, never all-or-nothing; the load phase it belongs to is
-  marked short of L1 (the hit's shortfall is then reported as ``l1_full``).
+  marked short of L1 (the hit's shortfall is then reported as ``l1_full``).  Outside a load
+  phase the reservation is a STORE's: what did not fit is counted as dropped
+  (``stores_dropped``), since LMCache skips it silently and the engine is told it was stored.
 * Without LMCache's LRU policy (:func:`..l1_internals.lru_order` is None) nothing is evicted.
 """
 
@@ -82,5 +84,10 @@ def reserve_write(state: WindowState, l1_manager: Any, original: Callable[..., A
         else:
             batch //= 2
     if taken < len(oom):
-        state.short_of_l1()
+        if state.loading():
+            state.short_of_l1()
+        else:  # a STORE: LMCache skips what it could not reserve and answers success
+            dropped = len(oom) - taken
+            state.stats.add(stores_dropped=dropped,
+                            stores_dropped_bytes=dropped * layout_bytes(layout_desc))
     return results

@@ -108,6 +108,10 @@ class WindowState:
     def in_load_phase(self, prefetch_id: int | None) -> None:
         self._local.request = prefetch_id
 
+    def loading(self) -> bool:
+        """Whether this thread is in a load phase (else its reservations are a STORE's)."""
+        return getattr(self._local, "request", None) is not None
+
     def short_of_l1(self) -> None:
         """A reservation of the load phase on this thread ran out of L1."""
         prefetch_id = getattr(self._local, "request", None)
