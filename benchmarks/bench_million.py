@@ -42,14 +42,19 @@ from kvpersist.testing.kv_writer import (
     CHUNK_TOKENS,
     EngineLayout,
     KvWriter,
+    L2Pacer,
     namespace_record,
     seeded_fill,
 )
 from kvpersist.testing.plot import line_plot
 from kvpersist.testing.slow_disk import drop_caches
 
-#: 8 layers x 2 KV heads x 32, float32: 4 KiB of KV per token, 4 GiB at 1M tokens.
-GEOMETRY = Geometry("kvpersist/tiny-llama-1m", 128, 8, 4, 2, 32, 1_100_000)
+GEOMETRIES = {
+    # 8 layers x 2 KV heads x 32, float32: 4 KiB of KV per token, 4 GiB at 1M tokens.
+    "4k": Geometry("kvpersist/tiny-llama-1m", 128, 8, 4, 2, 32, 1_100_000),
+    # bench_long_chat.py's "mid": 8 layers x 4 KV heads x 64, float32: 16 KiB per token.
+    "mid": Geometry("kvpersist/tiny-llama-mid-kv", 256, 8, 4, 4, 64, 147456),
+}
 LENGTHS = (131_072, 262_144, 524_288, 1_048_576)
 SUFFIX = 100  # tokens after the last full chunk: computed by vLLM on every restore
 LOOKUP = "vllm:lmcache_mp_lookup_duration_seconds_sum"
@@ -84,32 +89,15 @@ def files_by_hash(root: Path) -> dict[bytes, Path]:
 
 
 def write_prompt(settings: Any, layout: EngineLayout, ids: list[int], l1_chunks: int) -> float:
-    """Write every full chunk of ``ids`` in STOREs of a quarter of L1 at most; between STOREs,
-    wait until L2 is within half an L1 of the writer (LMCache drops without an error what a
-    full L1 cannot reserve, so a chunk that never reaches L2 stops the run).  Seconds."""
-    root = settings.cache_root
-    stall_s = 120.0
-
-    def on_disk() -> int:
-        return sum(1 for p in root.iterdir() if p.suffix == ".kvp")
-
-    def wait_for(count: int) -> None:
-        seen, since = on_disk(), time.monotonic()
-        while seen < count:
-            time.sleep(0.2)
-            now = on_disk()
-            if now > seen:
-                seen, since = now, time.monotonic()
-            elif time.monotonic() - since > stall_s:
-                raise SystemExit(f"L2 holds {seen} of {count} chunks and has not grown for "
-                                 f"{stall_s:.0f} s: chunks were dropped (L1 too small?)")
-
+    """Write every full chunk of ``ids`` in STOREs of a quarter of L1 at most, never more than
+    half an L1 ahead of L2 (LMCache drops without an error what a full L1 cannot reserve).
+    Seconds until the last chunk is on L2."""
+    pacer = L2Pacer(settings.cache_root, l1_chunks // 2)
     began = time.monotonic()
     per_store = max(1, min(32, l1_chunks // 4))
     with KvWriter(settings.request_url, layout, chunks_per_store=per_store) as writer:
-        written = writer.write(ids, seeded_fill(1),
-                               between_stores=lambda done: wait_for(done - l1_chunks // 2))
-    wait_for(written)
+        written = writer.write(ids, seeded_fill(1), between_stores=pacer)
+    pacer.wait_for(written)
     return time.monotonic() - began
 
 
@@ -125,7 +113,7 @@ def restore(args: argparse.Namespace, work: Path, model: Path, pins: Path, env: 
     files = [by_hash[h] for h in hashes]
     raw_s = raw_cold_read(files)
     start_server(settings)
-    vllm = VllmProcess(model, pins, work / f"vllm-{length}.log", env,
+    vllm = VllmProcess(model, pins, work / f"vllm-{length}-{len(args.done)}.log", env,
                        max_model_len=args.max_len, compile=True)
     try:
         vllm.start(timeout=1800)
@@ -143,7 +131,8 @@ def restore(args: argparse.Namespace, work: Path, model: Path, pins: Path, env: 
     l2_read = status_after["load_seconds"] - status_before["load_seconds"]
     ttft, suffix = warm["seconds"], again["seconds"]
     row = {"tokens": length + SUFFIX, "chunks": chunks,
-           "kv_gib": round(chunks * CHUNK_TOKENS * GEOMETRY.kv_bytes_per_token / 2**30, 3),
+           "server_settings": {k: v for k, v in env.items() if k in args.varied},
+           "kv_gib": round(chunks * CHUNK_TOKENS * args.geometry.kv_bytes_per_token / 2**30, 3),
            "cached_tokens": warm["cached_tokens"], "full_chunk_tokens": chunks * CHUNK_TOKENS,
            "ttft_s": round(ttft, 2), "lookup_s": round(lookup, 2), "l2_read_s": round(l2_read, 2),
            "suffix_s": round(suffix, 2), "rest_s": round(ttft - lookup - suffix, 2),
@@ -153,6 +142,7 @@ def restore(args: argparse.Namespace, work: Path, model: Path, pins: Path, env: 
                            for k in ("ttft_s", "lookup_s", "l2_read_s", "rest_s",
                                      "raw_cold_read_s")}
     print(json.dumps(row), flush=True)
+    args.done.append(row)
     return row
 
 
@@ -161,24 +151,34 @@ def main() -> int:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
                         help="comma-separated prompt lengths in full-chunk tokens (each a "
                         f"multiple of {CHUNK_TOKENS}); default %(default)s")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="4k",
+                        help="the model's KV geometry (default %(default)s: 4 KiB per token)")
     parser.add_argument("--l1-gb", type=float, default=1.0,
                         help="the server's L1 in GiB (default 1: a quarter of 1M tokens' KV)")
+    parser.add_argument("--also-restore-longest-with", action="append", default=[],
+                        metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="after the lengths, restore the longest again with these server "
+                        "settings (repeatable): variants side by side on one written prompt")
     parser.add_argument("--work", help="work directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, help="write TTFT against length here (PNG)")
     args = parser.parse_args()
     lengths = sorted(int(x) for x in args.lengths.split(","))
+    args.geometry = GEOMETRIES[args.geometry]
+    if lengths[-1] + SUFFIX + 64 > args.geometry.max_pos:
+        parser.error(f"this geometry's model takes at most {args.geometry.max_pos} tokens")
     if any(n % CHUNK_TOKENS for n in lengths):
         parser.error(f"every length must be a multiple of {CHUNK_TOKENS}")
     work = Path(args.work or tempfile.mkdtemp(prefix="kvp-million-"))
     args.max_len = lengths[-1] + SUFFIX + 64
-    model = build_tiny_model(work / "models", GEOMETRY)
+    model = build_tiny_model(work / "models", args.geometry)
     pins = pins_for_model(model, work / "pins.env", max_model_len=args.max_len)
-    kv_gib = lengths[-1] * GEOMETRY.kv_bytes_per_token / 2**30
+    kv_gib = lengths[-1] * args.geometry.kv_bytes_per_token / 2**30
     env = server_env(work / "cache", KVP_L1_SIZE_GB=f"{args.l1_gb:g}",
                      KVP_CACHE_BUDGET_GB=str(int(kv_gib) + 2))
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.max_len * GEOMETRY.kv_bytes_per_token
-                                            / 2**30) + 1)
+    # vLLM's KV space: the longest prompt's KV and a tenth more (its own blocks' overhead).
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.max_len * args.geometry.kv_bytes_per_token
+                                            * 1.1 / 2**30) + 1)
     settings = load_settings({k: v for k, v in env.items() if not k.startswith("VLLM_")})
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
@@ -200,26 +200,37 @@ def main() -> int:
     print(f"wrote {lengths[-1] // CHUNK_TOKENS} chunks "
           f"({kv_gib:.2f} GiB) in {write_s:.1f} s", flush=True)
 
+    variants = [dict(pair.split("=", 1) for pair in spec.split(","))
+                for spec in args.also_restore_longest_with]
+    args.varied = {k for v in variants for k in v}
+    args.done = []
     rows = [restore(args, work, model, pins, env, ids, n) for n in lengths]
+    rows += [restore(args, work, model, pins, {**env, **v}, ids, lengths[-1]) for v in variants]
     print(f"\n{'tokens':>9} {'KV GiB':>7} {'TTFT s':>7} {'lookup':>7} {'L2 read':>8} "
           f"{'suffix':>7} {'rest':>6} {'raw read':>9} {'x raw':>6} {'ms/chunk':>9} {'cached':>9}")
     for r in rows:
+        if r["server_settings"]:
+            print(f"  with {r['server_settings']}:")
         print(f"{r['tokens']:>9} {r['kv_gib']:>7} {r['ttft_s']:>7} {r['lookup_s']:>7} "
               f"{r['l2_read_s']:>8} {r['suffix_s']:>7} {r['rest_s']:>6} "
               f"{r['raw_cold_read_s']:>9} {r['restore_over_raw']!s:>6} "
               f"{r['ms_per_chunk']['ttft_s']:>9} {r['cached_tokens']:>9}")
-    result = {"geometry": GEOMETRY._asdict(), "kv_bytes_per_token": GEOMETRY.kv_bytes_per_token,
+    result = {"geometry": args.geometry._asdict(),
+              "kv_bytes_per_token": args.geometry.kv_bytes_per_token,
               "l1_gb": args.l1_gb, "write_s": round(write_s, 1), "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:
-        line_plot(args.plot, "Restore from L2 through vLLM (CPU), 4 KiB KV/token, L1 1 GiB",
+        base = rows[:len(lengths)]
+        kib = args.geometry.kv_bytes_per_token // 1024
+        line_plot(args.plot, f"Restore from L2 through vLLM (CPU), {kib} KiB KV/token, "
+                  f"L1 {args.l1_gb:g} GiB",
                   "prompt tokens", "seconds", {
-                      "TTFT (restored)": [(r["tokens"], r["ttft_s"]) for r in rows],
+                      "TTFT (restored)": [(r["tokens"], r["ttft_s"]) for r in base],
                       "raw cold read of the files": [(r["tokens"], r["raw_cold_read_s"])
-                                                     for r in rows],
-                      "lookup": [(r["tokens"], r["lookup_s"]) for r in rows],
-                      "suffix compute": [(r["tokens"], r["suffix_s"]) for r in rows]})
+                                                     for r in base],
+                      "lookup": [(r["tokens"], r["lookup_s"]) for r in base],
+                      "suffix compute": [(r["tokens"], r["suffix_s"]) for r in base]})
     return 0 if all(r["cached_tokens"] == r["full_chunk_tokens"] for r in rows) else 1
 
 

@@ -33,6 +33,7 @@ Invariants
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -255,3 +256,31 @@ class KvWriter:
             raise WriterError(f"a STORE was not answered in {self.store_timeout:.0f} s") from exc
         if not ok:
             raise WriterError("the LMCache server refused a STORE (see its log)")
+
+
+class L2Pacer:
+    """``between_stores`` for a writer that must not outrun L2: after each STORE, wait until
+    the ``.kvp`` files under ``root`` are within ``slack`` chunks of what was written.  A count
+    that stops growing for ``stall_s`` while behind means chunks were dropped (L1 too small
+    for the STOREs): :class:`WriterError`."""
+
+    def __init__(self, root: str | Path, slack: int, *, stall_s: float = 120.0) -> None:
+        self.root, self.slack, self.stall_s = Path(root), slack, stall_s
+
+    def on_disk(self) -> int:
+        return sum(1 for p in self.root.iterdir() if p.suffix == ".kvp")
+
+    def wait_for(self, count: int) -> None:
+        """Until at least ``count`` files exist."""
+        seen, since = self.on_disk(), time.monotonic()
+        while seen < count:
+            time.sleep(0.1)
+            now = self.on_disk()
+            if now > seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since > self.stall_s:
+                raise WriterError(f"L2 holds {seen} of {count} chunks and has not grown for "
+                                  f"{self.stall_s:.0f} s: chunks were dropped (L1 too small?)")
+
+    def __call__(self, written: int) -> None:
+        self.wait_for(written - self.slack)

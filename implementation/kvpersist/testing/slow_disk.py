@@ -64,6 +64,13 @@ class SlowDisk:
         (self.cgroup / "blkio.throttle.read_bps_device").write_text(
             f"{self.major_minor} {bytes_per_s}\n")
 
+    def set_write_rate(self, bytes_per_s: int) -> None:
+        """0 lifts the limit.  Only writes the admitted processes submit themselves are
+        throttled (O_DIRECT, kvpersist's default for L2 files); the page cache's writeback is
+        not theirs in cgroup v1."""
+        (self.cgroup / "blkio.throttle.write_bps_device").write_text(
+            f"{self.major_minor} {bytes_per_s}\n")
+
     def read_bytes(self) -> int:
         """Bytes the admitted processes read from the device so far."""
         total = 0
