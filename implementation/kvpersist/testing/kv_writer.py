@@ -33,6 +33,7 @@ Invariants
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -101,10 +102,7 @@ class EngineLayout:
 
     @property
     def chunk_bytes(self) -> int:
-        count = 1
-        for n in self.chunk_shape:
-            count *= n
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.chunk_shape) * int(self.dtype.itemsize)
 
 
 def namespace_record(cache_root: str | Path, model_name_prefix: str = "") -> Path:
