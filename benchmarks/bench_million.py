@@ -186,17 +186,19 @@ def main() -> int:
 
     # vLLM once with the serving recipe: it records the namespace the writer keys by.
     start_server(settings)
-    vllm = VllmProcess(model, pins, work / "vllm-record.log", env, max_model_len=args.max_len,
-                       compile=True)
     try:
-        vllm.start(timeout=1800)
-        complete(vllm.base_url, ids[:64])
+        vllm = VllmProcess(model, pins, work / "vllm-record.log", env,
+                           max_model_len=args.max_len, compile=True)
+        try:
+            vllm.start(timeout=1800)
+            complete(vllm.base_url, ids[:64])
+        finally:
+            vllm.kill()
+        layout = EngineLayout.from_record(namespace_record(settings.cache_root))
+        l1_chunks = int(args.l1_gb * 2**30 // layout.chunk_bytes)
+        write_s = write_prompt(settings, layout, ids[:lengths[-1]], l1_chunks)
     finally:
-        vllm.kill()
-    layout = EngineLayout.from_record(namespace_record(settings.cache_root))
-    l1_chunks = int(args.l1_gb * 2**30 // layout.chunk_bytes)
-    write_s = write_prompt(settings, layout, ids[:lengths[-1]], l1_chunks)
-    stop_server(settings)
+        stop_server(settings)
     print(f"wrote {lengths[-1] // CHUNK_TOKENS} chunks "
           f"({kv_gib:.2f} GiB) in {write_s:.1f} s", flush=True)
 
