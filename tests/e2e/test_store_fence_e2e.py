@@ -33,7 +33,7 @@ from kvpersist.demo.stack import VllmProcess, http_json, metric_sum
 from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing import fault_injection, lmcache_log
 from kvpersist.testing.fault_server import FAULT_ENTRY
-from kvpersist.testing.helpers import wait_for_l2_files, wait_until, write_pins
+from kvpersist.testing.helpers import wait_for_stored_chat, wait_until, write_pins
 
 pytestmark = pytest.mark.e2e
 CHUNK = 256
@@ -117,7 +117,12 @@ def test_a_preempted_request_s_store_is_read_before_its_blocks_are_reused(
         assert journal.read_text().split()[1::3] == ["stop", "go"]
         assert metric_sum(vllm.metrics(), "vllm:num_preemptions_total") >= 1
         tokens = int(replies["c"]["usage"]["prompt_tokens"])
-        wait_for_l2_files(settings.cache_root, len(prompts) * (tokens // CHUNK))
+        # A store the worker dropped because the heartbeat still called the stopped server
+        # unhealthy is a miss, not this test's subject: sent again, a missing chunk is stored
+        # and a stored one hits (never overwritten, so a wrong file stays to be found below).
+        wait_for_stored_chat(settings.cache_root, len(prompts) * (tokens // CHUNK),
+                             lambda: [complete(vllm.base_url, [p], max_tokens=1)
+                                      for p in prompts.values()])
 
         # The server restarted without the fault, L1 empty; the same engine (its own prefix
         # cache off) re-registers: each chat from L2 equals it computed cold under a salt.
