@@ -37,7 +37,7 @@ from kvpersist.demo.tiny_model import Geometry, build_tiny_model
 from kvpersist.l2.layout import parse_name
 from kvpersist.serving.launcher.vllm_client import http_json, served_model
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.testing.helpers import adapter_status, l2_files, pins_for_model, server_env
+from kvpersist.testing.helpers import adapter_status, pins_for_model, server_env
 from kvpersist.testing.kv_writer import (
     CHUNK_TOKENS,
     EngineLayout,
@@ -85,7 +85,8 @@ def raw_cold_read(files: list[Path]) -> float:
 
 
 def files_by_hash(root: Path) -> dict[bytes, Path]:
-    return {parse_name(name).chunk_hash: root / name for name in l2_files(root, (".kvp",))}
+    """Chunk hash -> its L2 file, from the names alone (no file is read)."""
+    return {parse_name(path.name).chunk_hash: path for path in root.glob("*.kvp")}
 
 
 def write_prompt(settings: Any, layout: EngineLayout, ids: list[int], l1_chunks: int) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation
@@ -19,7 +20,12 @@ from kvpersist.demo.tiny_model import TINY, build_tiny_model
 from kvpersist.l2.format import HEADER_SIZE, parse_header
 from kvpersist.l2.layout import parse_name
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.testing.helpers import pins_for_model, server_env, wait_for_l2_files
+from kvpersist.testing.helpers import (
+    chunk_hashes,
+    pins_for_model,
+    server_env,
+    wait_for_l2_files,
+)
 from kvpersist.testing.kv_writer import (
     CHUNK_TOKENS,
     EngineLayout,
@@ -70,14 +76,11 @@ def test_written_kv_is_what_vllm_stores_and_restores_bit_identical(tmp_path: Pat
 
     env = server_env(tmp_path / "written-root")
     settings = load_settings(env)
-    hashes = list(engine_files)  # not in prompt order: look each chunk up by its hash
+    in_prompt_order = chunk_hashes(model, real)  # LMCache's keys for the real chat's chunks
 
-    def engine_kv(index: int, blocks) -> None:  # type: ignore[no-untyped-def]
-        from lmcache.v1.multiprocess.token_hasher import TokenHasher
-
-        chunk_hash = TokenHasher(CHUNK_TOKENS, "blake3").compute_chunk_hashes(
-            real_ids[:(index + 1) * CHUNK_TOKENS])[index]
-        assert chunk_hash in hashes, f"chunk {index}: no file of the cold run has its key"
+    def engine_kv(index: int, blocks: torch.Tensor) -> None:
+        chunk_hash = in_prompt_order[index]
+        assert chunk_hash in engine_files, f"chunk {index}: no file of the cold run has its key"
         blocks.copy_(chunk_from_object(layout, engine_files[chunk_hash][1]))
 
     synthetic_ids = chat_token_ids(model, synthetic)
