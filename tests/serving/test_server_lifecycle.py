@@ -116,6 +116,17 @@ def test_unix_command_line_names_the_sockets(tmp_path: Path) -> None:
     assert cmd[split + 1] == "server"
 
 
+def test_the_one_pass_cpu_copy_is_on_unless_the_site_turns_it_off(tmp_path: Path) -> None:
+    on = server_command(settings_for(tmp_path), python="/py")
+    off = server_command(settings_for(tmp_path, KVP_CPU_DIRECT_COPY="false"), python="/py")
+    assert "--no-cpu-direct-copy" not in on
+    assert sorted(off[:off.index("--")]) == sorted([*on[:on.index("--")], "--no-cpu-direct-copy"])
+    from kvpersist.serving.server.entry import build_parser
+
+    assert build_parser().parse_args(["--no-cpu-direct-copy"]).cpu_direct_copy is False
+    assert build_parser().parse_args([]).cpu_direct_copy is True
+
+
 def test_default_adapter_is_kvpersist_plugin(tmp_path: Path) -> None:
     s = settings_for(tmp_path, KVP_CACHE_BUDGET_GB="3", KVP_L2_SHARDED="yes")
     adapter = l2_adapter_config(s)

