@@ -14,8 +14,12 @@ tests/e2e/test_long_conversation_e2e.py (34k tokens, 34 MiB of KV).
         # same files, with the page cache dropped, and the same chat sent again with its prefix
         # in vLLM (the suffix's compute and the answer), so the restore alone is compared
     .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 127500 --l1-gb 0.5 \
-        --l2-direct-io true --also-restore-with-direct-io false --also-restore-with-direct-io true
+        --l2-direct-io true --also-restore-with KVP_L2_DIRECT_IO=false \
+        --also-restore-with KVP_L2_DIRECT_IO=true
         # the same, restored with O_DIRECT, buffered and O_DIRECT again on one stored chat
+    .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 127500 --l1-gb 0.5 \
+        --also-restore-with KVP_CPU_DIRECT_COPY=false --also-restore-with KVP_CPU_DIRECT_COPY=true
+        # the one-pass CPU copy against LMCache's staged copy, then again, on one stored chat
 
 The restore is judged bit-identical (tokens and logprobs) and complete (every full chunk from
 L2, ``cached_tokens``).  vLLM's own KV space is sized for the prompt, separately from L1.
@@ -149,21 +153,27 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
             l2_load_seconds=status["load_seconds"], l2_loaded_bytes=status["loaded_bytes"])
         vllm.stop()  # a graceful stop, as an operator's would be
         restores = [record(warm, status)]
-        for direct in args.also_restore_with_direct_io:
-            # The same stored chat, restored again with the server restarted under the other
-            # read path (both processes restarted, the page cache dropped), side by side.
+        restores[0]["variant"] = "as configured"
+        for n, spec in enumerate(args.also_restore_with):
+            # The same stored chat, restored again with the server restarted under other
+            # settings (both processes restarted, the page cache dropped), side by side.
+            variant = dict(item.split("=", 1) for item in spec.split(","))
             stop_server(settings)
-            settings = load_settings({**server_vars, "KVP_L2_DIRECT_IO": direct})
-            vllm, again, status = restore({**env, "KVP_L2_DIRECT_IO": direct},
-                                          f"vllm-direct-{direct}.log")
-            restores.append(record(again, status))
+            settings = load_settings({**server_vars, **variant})
+            vllm, again, status = restore({**env, **variant}, f"vllm-variant-{n}.log")
+            restores.append({**record(again, status), "variant": spec})
             vllm.stop()
+        for r in restores:
+            restored = float(r["restored_s"])  # type: ignore[arg-type]
+            r["restore_alone_over_raw_read"] = (round((restored - suffix_s) / raw_s, 2)
+                                                if raw_s else None)
         result["restores"] = restores
         if len(restores) > 1:
-            print(f"\n{'L2 O_DIRECT':<12} {'restored s':>11} {'L2 load s':>10} {'cached':>8} "
-                  f"{'identical':>9}")
+            print(f"\n{'variant':<28} {'restored s':>11} {'alone/raw':>10} {'L2 load s':>10} "
+                  f"{'cached':>8} {'identical':>9}")
             for r in restores:
-                print(f"{r['l2_direct_io']!s:<12} {r['restored_s']:>11} "
+                print(f"{r['variant']!s:<28} {r['restored_s']:>11} "
+                      f"{r['restore_alone_over_raw_read']!s:>10} "
                       f"{r['l2_load_seconds']:>10.2f} {r['cached_tokens']!s:>8} "
                       f"{r['identical']!s:>9}")
     finally:
@@ -183,11 +193,11 @@ def main() -> int:
                         "prompt's KV the restore streams through it; default: the prompt's KV + 1")
     parser.add_argument("--l2-direct-io", choices=("true", "false"),
                         help="KVP_L2_DIRECT_IO for the server (default: the product's default)")
-    parser.add_argument("--also-restore-with-direct-io", choices=("true", "false"),
-                        action="append", default=[], metavar="{true,false}",
+    parser.add_argument("--also-restore-with", action="append", default=[],
+                        metavar="KEY=VALUE[,KEY=VALUE]",
                         help="after the restore, restore the same chat again with the server "
-                        "restarted under this KVP_L2_DIRECT_IO (repeatable): the read paths "
-                        "side by side on one stored chat, without another cold prefill")
+                        "restarted under these settings (repeatable): variants side by side "
+                        "on one stored chat, without another cold prefill")
     parser.add_argument("--transfer-modes", default="",
                         help="comma-separated LMCache transfer modes to run one after another "
                         "(engine_driven, lmcache_driven); default: the launcher's choice")
