@@ -123,6 +123,9 @@ def test_a_conversation_four_times_l1_streams_back_in_full(stack: Stack) -> None
     assert metric_sum(stack.vllm.metrics(), "vllm:external_prefix_cache_hits_total") == 13 * CHUNK
     assert server_counter(stack.settings, "kvpersist_restore_streamed_total") >= 1
     assert server_counter(stack.settings, "kvpersist_restore_streamed_chunks_total") >= 10
+    # the server copied into vLLM's KV cache in one pass (lmcache_compat.cpu_transfer)
+    log = stack.settings.log_file.read_text(errors="replace")
+    assert "one-pass CPU copy in use for the first restore" in log
 
 
 def test_a_busy_l1_evicts_clean_chunks_for_a_restore(stack: Stack) -> None:

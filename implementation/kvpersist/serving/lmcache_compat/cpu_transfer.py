@@ -42,6 +42,18 @@ FEATURE = "cpu_transfer"
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 
 logger = logging.getLogger("kvpersist.cpu_transfer")
+#: Directions ("restore", "store") whose first one-pass copy this process has logged.
+_announced: set[str] = set()
+
+
+def _announce(is_h2d: bool) -> None:
+    """One line per process and direction, the first time the one-pass copy runs (operators and
+    the L1-window e2e see that the fast path is the one in use)."""
+    what = "restore" if is_h2d else "store"
+    if what not in _announced:
+        _announced.add(what)
+        logger.info("kvpersist: one-pass CPU copy in use for the first %s (no staging buffer)",
+                    what)
 
 
 def direct_eligible(cache_context: Any, memory_objs: Sequence[Any], object_group_id: int,
@@ -124,6 +136,7 @@ def _direct_or_lmcache(original: Callable[..., None]) -> Callable[..., None]:
 
         is_h2d = direction == native.TransferDirection.H2D
         if direct_eligible(cache_context, memory_objs, object_group_id, is_h2d):
+            _announce(is_h2d)
             transfer_direct(cache_context, block_ids_gpu, memory_objs, object_group_id,
                             batch_size, skip_first_n_tokens, direction)
             return
