@@ -15,7 +15,7 @@ import pytest
 from kvpersist.l2.adapter import KvPersistL2Adapter, KvPersistL2AdapterConfig, to_object_key
 from kvpersist.l2.store import KvFileStore
 from kvpersist.testing.corruption import corrupt_file
-from kvpersist.testing.helpers import key_of
+from kvpersist.testing.helpers import key_of, wait_until
 
 CHUNK = 64 * 1024
 
@@ -209,6 +209,10 @@ def test_stores_resume_before_lmcache_is_told_of_every_scanned_file(
     a.register_listener(recorder)
     try:
         assert a.store.wait_scan(10), "stores wait for LMCache to hear of the scanned files"
+        # the announcer thread hands the scan to LMCache after the index completes: wait until
+        # it is inside the held call (a CI run asserted before it got there)
+        wait_until(lambda: held, timeout=10, interval=0.01,
+                   message="the scan's announcement never reached LMCache")
         assert held == [len(old)] and a.get_usage().total_bytes_used == 0
         assert a.report_status()["announcements_pending"] >= 1
         new = key_of(100)
