@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -44,10 +45,13 @@ from kvpersist.testing.helpers import (
     adapter_status,
     pins_for_model,
     server_env,
+    setting_overrides,
     wait_for_l2_files,
 )
 from kvpersist.testing.slow_disk import drop_caches
 
+#: Samples of the suffix's own compute and of the cold raw read; their medians are the figures.
+SAMPLES = 3
 GEOMETRIES = {"tiny": LONG_CONTEXT, "wide": WIDE_KV._replace(max_pos=40960),
               # 8 layers x 4 KV heads x 64, float32: 16 KiB/token, 2 GiB at 128k tokens
               "mid": Geometry("kvpersist/tiny-llama-mid-kv", 256, 8, 4, 4, 64, 147456)}
@@ -134,11 +138,16 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
 
         vllm, warm, status = restore(env, "vllm-2.log")
         # The same chat again on the same vLLM, its prefix now in vLLM's own cache: what the
-        # suffix after the last full chunk and the answer cost without any restore.
-        suffix_s = chat(vllm.base_url, messages, timeout=7200).seconds
-        raw_s, raw_bytes = raw_cold_read(sorted(
-            p for p in settings.cache_root.iterdir() if p.suffix in (".kvp", ".bin")))
+        # suffix after the last full chunk and the answer cost without any restore (the median
+        # of SAMPLES: one sample swings by a few tenths of a second on a busy 2-core machine).
+        suffixes = [chat(vllm.base_url, messages, timeout=7200).seconds for _ in range(SAMPLES)]
+        suffix_s = statistics.median(suffixes)
+        files = sorted(p for p in settings.cache_root.iterdir() if p.suffix in (".kvp", ".bin"))
+        raws = [raw_cold_read(files) for _ in range(SAMPLES)]
+        raw_s, raw_bytes = statistics.median(s for s, _ in raws), raws[0][1]
         result.update(
+            suffix_and_answer_samples_s=[round(s, 2) for s in suffixes],
+            raw_cold_read_samples_s=[round(s, 2) for s, _ in raws],
             l1_gb=l1_gb, l1_to_kv=round(l1_gb / kv_gib, 3) if kv_gib else None,
             raw_cold_read_s=round(raw_s, 2), raw_cold_read_gib=round(raw_bytes / 2**30, 3),
             restored_over_raw_read=round(warm.seconds / raw_s, 2) if raw_s else None,
@@ -157,7 +166,7 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
         for n, spec in enumerate(args.also_restore_with):
             # The same stored chat, restored again with the server restarted under other
             # settings (both processes restarted, the page cache dropped), side by side.
-            variant = dict(item.split("=", 1) for item in spec.split(","))
+            variant = setting_overrides(spec)
             stop_server(settings)
             settings = load_settings({**server_vars, **variant})
             vllm, again, status = restore({**env, **variant}, f"vllm-variant-{n}.log")
@@ -202,6 +211,11 @@ def main() -> int:
                         help="comma-separated LMCache transfer modes to run one after another "
                         "(engine_driven, lmcache_driven); default: the launcher's choice")
     args = parser.parse_args()
+    for spec in args.also_restore_with:
+        try:
+            setting_overrides(spec)
+        except ValueError as exc:
+            parser.error(f"--also-restore-with: {exc}")
     geometry: Geometry = GEOMETRIES[args.geometry]
     work = Path(args.work or tempfile.mkdtemp(prefix="kvp-long-chat-"))
     modes: list[str | None] = [m for m in args.transfer_modes.split(",") if m] or [None]

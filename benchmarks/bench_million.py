@@ -37,7 +37,12 @@ from kvpersist.demo.tiny_model import Geometry, build_tiny_model
 from kvpersist.l2.layout import parse_name
 from kvpersist.serving.launcher.vllm_client import http_json, served_model
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.testing.helpers import adapter_status, pins_for_model, server_env
+from kvpersist.testing.helpers import (
+    adapter_status,
+    pins_for_model,
+    server_env,
+    setting_overrides,
+)
 from kvpersist.testing.kv_writer import (
     CHUNK_TOKENS,
     EngineLayout,
@@ -164,6 +169,11 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, help="write TTFT against length here (PNG)")
     args = parser.parse_args()
+    for spec in args.also_restore_longest_with:
+        try:
+            setting_overrides(spec)
+        except ValueError as exc:
+            parser.error(f"--also-restore-longest-with: {exc}")
     lengths = sorted(int(x) for x in args.lengths.split(","))
     args.geometry = GEOMETRIES[args.geometry]
     if lengths[-1] + SUFFIX + 64 > args.geometry.max_pos:
@@ -203,8 +213,7 @@ def main() -> int:
     print(f"wrote {lengths[-1] // CHUNK_TOKENS} chunks "
           f"({kv_gib:.2f} GiB) in {write_s:.1f} s", flush=True)
 
-    variants = [dict(pair.split("=", 1) for pair in spec.split(","))
-                for spec in args.also_restore_longest_with]
+    variants = [setting_overrides(spec) for spec in args.also_restore_longest_with]
     args.varied = {k for v in variants for k in v}
     args.done = []
     rows = [restore(args, work, model, pins, env, ids, n) for n in lengths]

@@ -61,7 +61,7 @@ def engine() -> Iterator[Engine]:
         engine_group_infos=[EngineGroupInfo(engine_group_id=0,
                                             layer_indices=tuple(range(layers)))])
     staging = context.get_temp_object_group_buffer(0, 0)
-    yield Engine(context, staging.numel() * staging.element_size(), [own, wrapped])
+    yield Engine(context, staging.nbytes, [own, wrapped])
 
 
 def memory_object(size: int, seed: int) -> TensorMemoryObj:

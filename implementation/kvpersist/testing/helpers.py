@@ -128,6 +128,18 @@ def server_env(root: Path, **extra: str) -> dict[str, str]:
             "KVP_CACHE_BUDGET_GB": "2", **extra}
 
 
+def setting_overrides(spec: str) -> dict[str, str]:
+    """``KEY=VALUE[,KEY=VALUE]`` (a benchmark's variant of server settings) as a dict; ValueError
+    naming the bad item otherwise (usable as an argparse ``type``)."""
+    overrides: dict[str, str] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{item!r} is not KEY=VALUE (in {spec!r})")
+        overrides[key.strip()] = value
+    return overrides
+
+
 def kvpersist_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
     """Validated settings of a test server with the kvpersist adapter on ``root``."""
     return load_settings(server_env(root, KVP_CACHE_BUDGET_GB=budget_gb,

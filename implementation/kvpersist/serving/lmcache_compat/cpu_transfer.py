@@ -69,8 +69,8 @@ def direct_eligible(cache_context: Any, memory_objs: Sequence[Any], object_group
         return False
     staging = cache_context.get_temp_object_group_buffer(0, object_group_id)
     kernel = cache_context.get_temp_kernel_group_buffer(0, kernel_groups[0])
-    size = staging.numel() * staging.element_size()
-    if kernel.data_ptr() != staging.data_ptr() or kernel.numel() * kernel.element_size() != size:
+    size = staging.nbytes
+    if kernel.data_ptr() != staging.data_ptr() or kernel.nbytes != size:
         return False
     from lmcache.v1.memory_management import GDSMemoryObject
 
@@ -149,7 +149,9 @@ def _direct_or_lmcache(original: Callable[..., None]) -> Callable[..., None]:
 
 @functools.cache
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def prefault_for_writing(addr: int, nbytes: int) -> bool:
@@ -159,7 +161,6 @@ def prefault_for_writing(addr: int, nbytes: int) -> bool:
     start = addr - addr % page
     length = nbytes + (addr - start)
     libc = _libc()
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_POPULATE_WRITE) != 0:
         logger.info("kvpersist: KV mapping not prefaulted (madvise errno %d)",
                     ctypes.get_errno())
