@@ -29,6 +29,7 @@ from kvpersist.testing.helpers import (
     kvpersist_settings,
     l2_files,
     l2_store_answers,
+    server_env,
     wait_for_l2_files,
     wait_for_l2_idle,
     wait_until,
@@ -217,3 +218,27 @@ def test_second_server_on_same_root_is_refused(settings: ServerSettings, tmp_pat
         pytest.fail(f"the second server kept running:\n{log.read_text()[-2000:]}")
     assert proc.returncode != 0
     assert "one writer per root" in log.read_text()
+
+
+def test_a_restore_the_server_moves_is_checked_against_zeroed_buffers(tmp_path: Path) -> None:
+    """``lmcache_driven``: the server copies straight into the client's KV, and LMCache's bench
+    client neither zeroes it before a retrieve nor differs from the client that stored (seeded
+    data).  The driver zeroes it, so checksums match only when the retrieve moved the bytes."""
+    s = load_settings(server_env(tmp_path / "cache", KVP_ACCESS="tcp",
+                                 KVP_CACHE_BUDGET_GB="1"))
+    start_server(s)
+    try:
+        d = BenchDriver(s.request_url, s.http_url, MODEL_A, transfer_mode="lmcache_driven")
+        sums = store_and_wait(d, s.cache_root, 1)
+        d.close()
+        stop_server(s)
+        start_server(s)
+        d = BenchDriver(s.request_url, s.http_url, MODEL_A, transfer_mode="lmcache_driven")
+        d.zero_request(1)
+        assert d.checksums(1) != sums  # what a retrieve that moved nothing would be judged on
+        trip = d.lookup_and_retrieve(1, sums)
+        assert (trip.hit_chunks, trip.retrieved_ok, trip.checksums_match) == (4, True, True)
+        assert adapter_status(s)["load_hits"] == 4
+        d.close()
+    finally:
+        stop_server(s)

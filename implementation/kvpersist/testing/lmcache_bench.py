@@ -3,7 +3,8 @@
 It is a real client of the MP server that is not ours: it registers mock KV caches, STOREs and
 RETRIEVEs chunks over ZMQ (engine_driven on CPU) and checksums the bytes.  Its KV data is seeded
 (``torch.random.manual_seed(42)``), so a new client after a server restart has the same bytes to
-compare against.
+compare against; for the same reason every restore here zeroes the client's KV first
+(``BenchDriver._zero``), so only bytes the retrieve moved can match.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ def _allow_long_loads(helpers: Any) -> None:
 
 
 class BenchDriver:
-    """One connected ``ServerBenchClient`` using ``model_name`` for its keys."""
+    """One connected ``ServerBenchClient`` using ``model_name`` for its keys; ``mode="gpu"``
+    keeps its KV in GPU memory (LMCache's own GPU mode; needs CUDA)."""
 
     def __init__(self, zmq_url: str, http_url: str, model_name: str, *, num_tokens: int = 1024,
                  shape_spec: str = SHAPE_SPEC, num_blocks: int = 64,
-                 transfer_mode: str = "engine_driven") -> None:
+                 transfer_mode: str = "engine_driven", mode: str = "cpu") -> None:
         from lmcache.cli.commands.bench.server_bench import helpers
         from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
         from lmcache.cli.commands.bench.server_bench.config import BenchConfig
@@ -63,7 +65,7 @@ class BenchDriver:
         _allow_long_loads(helpers)
         self._helpers = helpers
         self.model_name = model_name
-        config = BenchConfig(rpc_url=zmq_url, http_url=http_url, mode="cpu",
+        config = BenchConfig(rpc_url=zmq_url, http_url=http_url, mode=mode,
                              transfer_mode=transfer_mode, tp_size=1, use_mla=False,
                              num_tokens=num_tokens, kvcache_shape_spec=shape_spec,
                              num_blocks=num_blocks, block_size=16)
@@ -114,7 +116,7 @@ class BenchDriver:
         ok = True
         match = True
         if hit_tokens:
-            self.client.zero_destination(request, 0, hit_tokens)
+            self._zero(request, hit_tokens)
             result = self.client.retrieve(request, 0, hit_tokens)
             ok = bool(result is not None and result.succeeded)
             got = self._checksums(request, hit_tokens) or []
@@ -125,7 +127,7 @@ class BenchDriver:
     def timed_restore(self, seq: int, expected: list[str]) -> TimedRestore:
         """Restore all of ``seq`` into zeroed buffers, timed; checksums compared after."""
         request = self._request(seq, "load")
-        self.client.zero_destination(request, 0, request.num_full_tokens)
+        self._zero(request, request.num_full_tokens)
         began = time.perf_counter()
         lookup = self.client.lookup(request)
         lookup_s = time.perf_counter() - began
@@ -136,6 +138,31 @@ class BenchDriver:
         ok = (lookup.hit_chunks == len(expected) and result is not None and result.succeeded
               and list(got or []) == expected)
         return TimedRestore(lookup.hit_chunks, lookup_s, restore_s, ok)
+
+    def zero_request(self, seq: int) -> None:
+        """Zero the client's KV blocks of sequence ``seq`` (what a restore of it writes)."""
+        request = self._request(seq, "zero")
+        self._zero(request, request.num_full_tokens)
+        self.client.end_session(request)
+
+    def _zero(self, request: Any, tokens: int) -> None:
+        """Zero the first ``tokens`` of ``request``'s blocks in every retrieving worker's KV.
+        LMCache's ``zero_destination`` does this only when the client moves the bytes itself;
+        when the server does (``lmcache_driven`` on CPU, the GPU mode) it does nothing, and a new
+        client seeds the same data the old one stored, so a retrieve that moved nothing would
+        still match the stored checksums."""
+        import torch
+        from lmcache.cli.commands.bench.server_bench.helpers import _zero_fill_client_blocks
+
+        if not tokens:
+            return
+        block = self.client._block_size
+        for worker in self.client._workers:
+            if worker.spec.retrieve_enabled:
+                _zero_fill_client_blocks(list(worker.kv_caches.values()),
+                                         request.block_offset, tokens // block)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
     def close(self) -> None:
         self.client.close()
