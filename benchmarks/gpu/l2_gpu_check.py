@@ -4,7 +4,7 @@ client whose KV lives in GPU memory, through the server's restart.
 vLLM's CUDA build is too large to bring to a borrowed GPU machine; LMCache's wheel is not.  So
 the engine here is LMCache's own bench client in its GPU mode (``lmcache bench server --mode
 gpu``): it registers paged KV tensors allocated on the GPU, STOREs and RETRIEVEs them through
-the server (the transfer LMCache picks for a GPU, CUDA IPC), and checksums the bytes.  Steps:
+the server (the transfer LMCache picks for a GPU client, ``auto``), and checksums the bytes.  Steps:
 
 1. ``kvp-server``'s entry starts the LMCache server with kvpersist's adapter on a fresh
    ``KVP_CACHE_ROOT``; the client STOREs one request of ``--tokens`` tokens from the GPU, and the
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import tempfile
@@ -41,8 +40,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpersist.admin.page_cache import drop_page_cache
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.serving.server.lifecycle import start_server, stop_server
+from kvpersist.testing.corruption import corrupt_file
 from kvpersist.testing.helpers import adapter_status, server_env, wait_until
 from kvpersist.testing.lmcache_bench import BenchDriver
 
@@ -60,14 +61,13 @@ def l2_files(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("*.kvp") if p.is_file())
 
 
-def drop_page_cache() -> bool:
+def cold_page_cache() -> bool:
     """Drop the page cache where this host lets us (a cold L2 read); False otherwise."""
     try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
+        drop_page_cache()
     except OSError:
         return False
+    return True
 
 
 def restart(settings: ServerSettings) -> None:
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         d.close()
 
         restart(settings)
-        out["page_cache_dropped"] = drop_page_cache()
+        out["page_cache_dropped"] = cold_page_cache()
         d = driver(settings, args)
         trip = d.timed_restore(0, sums)
         d.close()
@@ -115,11 +115,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                    verify_s=status.get("verify_seconds"))
 
         victim = l2_files(root)[chunks // 2]
-        with victim.open("r+b") as fh:  # one payload byte flipped, the header left alone
-            fh.seek(4096 + 12345)
-            byte = fh.read(1)
-            fh.seek(4096 + 12345)
-            fh.write(bytes([byte[0] ^ 0xFF]))
+        corrupt_file(victim, "flip")  # one payload bit, the header left alone
         restart(settings)
         d = driver(settings, args)
         trip = d.lookup_and_retrieve(0, sums)
