@@ -34,6 +34,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from kvpersist.testing.helpers import (
     adapter_status,
     pins_for_model,
     server_env,
+    server_settings_in,
     setting_overrides,
     wait_for_l2_files,
 )
@@ -80,6 +82,35 @@ def shm_segments() -> dict[str, int]:
     return found
 
 
+@dataclass(frozen=True)
+class ChatSetup:
+    """What restoring the long chat of a work directory takes: the same for the run that stored
+    it and for any later one that restores it again (restore_cpu_accounting.py)."""
+
+    model: Path
+    pins: Path
+    max_len: int
+    server_vars: dict[str, str]  # the server's settings alone (load_settings refuses others)
+    vllm_env: dict[str, str]  # server_vars and vLLM's own KV space
+    messages: list[dict[str, str]]
+
+
+def chat_setup(work: Path, geometry: Geometry, tokens: int, l1_gb: float,
+               **server: str) -> ChatSetup:
+    """The model, pins and settings of a ``tokens``-token chat in ``work`` (the model is built
+    the first time); ``server``: further server settings."""
+    kv_gib = tokens * geometry.kv_bytes_per_token / 2**30
+    model = build_tiny_model(work / "models", geometry)
+    max_len = int(tokens * 1.1) + 2048  # long_conversation overshoots its target a little
+    pins = pins_for_model(model, work / "pins.env", max_model_len=max_len)
+    server_vars = server_env(work / "cache", KVP_L1_SIZE_GB=f"{l1_gb:g}",
+                             KVP_CACHE_BUDGET_GB=str(int(kv_gib * 2) + 2), **server)
+    vllm_env = {**server_vars, "VLLM_CPU_KVCACHE_SPACE":
+                str(int(max_len * geometry.kv_bytes_per_token / 2**30) + 1)}
+    return ChatSetup(model, pins, max_len, server_vars, vllm_env,
+                     long_conversation(tokens, "a very long chat"))
+
+
 def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
              mode: str | None) -> dict[str, object]:
     """Store one long chat, restart both processes, drop the page cache, restore it."""
@@ -88,19 +119,14 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
     # about 4.5x the restored bytes in the vLLM worker on top (pickled copies): a 2 GiB restore
     # took 9.6 GB there, so on a 24 GiB machine these two stay small.
     l1_gb = args.l1_gb or int(kv_gib) + 1
-    model = build_tiny_model(work / "models", geometry)
-    max_len = int(args.tokens * 1.1) + 2048  # long_conversation overshoots its target a little
-    pins = pins_for_model(model, work / "pins.env", max_model_len=max_len)
-    env = server_env(work / "cache", KVP_L1_SIZE_GB=f"{l1_gb:g}",
-                     KVP_CACHE_BUDGET_GB=str(int(kv_gib * 2) + 2),
-                     **({} if args.l2_direct_io is None
-                        else {"KVP_L2_DIRECT_IO": args.l2_direct_io}))
-    settings = load_settings(env)
-    server_vars = dict(env)  # the server's settings alone (load_settings refuses others)
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(max_len * geometry.kv_bytes_per_token / 2**30) + 1)
+    setup = chat_setup(work, geometry, args.tokens, l1_gb,
+                       **({} if args.l2_direct_io is None
+                          else {"KVP_L2_DIRECT_IO": args.l2_direct_io}))
+    model, pins, max_len, messages = setup.model, setup.pins, setup.max_len, setup.messages
+    server_vars, env = setup.server_vars, dict(setup.vllm_env)
+    settings = load_settings(server_vars)
     if mode is not None:
         env["KVP_MP_TRANSFER_MODE"] = mode
-    messages = long_conversation(args.tokens, "a very long chat")
     result: dict[str, object] = {"geometry": args.geometry, "transfer_mode": mode or "default",
                                  "l2_direct_io": settings.l2_direct_io,
                                  "kv_bytes_per_token": geometry.kv_bytes_per_token}
@@ -163,12 +189,12 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
         vllm.stop()  # a graceful stop, as an operator's would be
         restores = [record(warm, status)]
         restores[0]["variant"] = "as configured"
-        for n, spec in enumerate(args.also_restore_with):
+        for n, variant in enumerate(args.also_restore_with):
             # The same stored chat, restored again with the server restarted under other
             # settings (both processes restarted, the page cache dropped), side by side.
-            variant = setting_overrides(spec)
+            spec = ",".join(f"{k}={v}" for k, v in variant.items())
             stop_server(settings)
-            settings = load_settings({**server_vars, **variant})
+            settings = load_settings({**server_vars, **server_settings_in(variant)})
             vllm, again, status = restore({**env, **variant}, f"vllm-variant-{n}.log")
             restores.append({**record(again, status), "variant": spec})
             vllm.stop()
@@ -203,7 +229,7 @@ def main() -> int:
     parser.add_argument("--l2-direct-io", choices=("true", "false"),
                         help="KVP_L2_DIRECT_IO for the server (default: the product's default)")
     parser.add_argument("--also-restore-with", action="append", default=[],
-                        metavar="KEY=VALUE[,KEY=VALUE]",
+                        type=setting_overrides, metavar="KEY=VALUE[,KEY=VALUE]",
                         help="after the restore, restore the same chat again with the server "
                         "restarted under these settings (repeatable): variants side by side "
                         "on one stored chat, without another cold prefill")
@@ -211,11 +237,6 @@ def main() -> int:
                         help="comma-separated LMCache transfer modes to run one after another "
                         "(engine_driven, lmcache_driven); default: the launcher's choice")
     args = parser.parse_args()
-    for spec in args.also_restore_with:
-        try:
-            setting_overrides(spec)
-        except ValueError as exc:
-            parser.error(f"--also-restore-with: {exc}")
     geometry: Geometry = GEOMETRIES[args.geometry]
     work = Path(args.work or tempfile.mkdtemp(prefix="kvp-long-chat-"))
     modes: list[str | None] = [m for m in args.transfer_modes.split(",") if m] or [None]

@@ -41,6 +41,7 @@ from kvpersist.testing.helpers import (
     adapter_status,
     pins_for_model,
     server_env,
+    server_settings_in,
     setting_overrides,
 )
 from kvpersist.testing.kv_writer import (
@@ -113,7 +114,7 @@ def restore(args: argparse.Namespace, work: Path, model: Path, pins: Path, env: 
     plus :data:`SUFFIX`, restored and timed, beside a raw cold read of the same files."""
     from lmcache.v1.multiprocess.token_hasher import TokenHasher
 
-    settings = load_settings({k: v for k, v in env.items() if not k.startswith("VLLM_")})
+    settings = load_settings(server_settings_in(env))
     hashes = TokenHasher(CHUNK_TOKENS, "blake3").compute_chunk_hashes(ids[:length])
     by_hash = files_by_hash(settings.cache_root)
     files = [by_hash[h] for h in hashes]
@@ -162,18 +163,13 @@ def main() -> int:
     parser.add_argument("--l1-gb", type=float, default=1.0,
                         help="the server's L1 in GiB (default 1: a quarter of 1M tokens' KV)")
     parser.add_argument("--also-restore-longest-with", action="append", default=[],
-                        metavar="KEY=VALUE[,KEY=VALUE]",
+                        type=setting_overrides, metavar="KEY=VALUE[,KEY=VALUE]",
                         help="after the lengths, restore the longest again with these server "
                         "settings (repeatable): variants side by side on one written prompt")
     parser.add_argument("--work", help="work directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, help="write TTFT against length here (PNG)")
     args = parser.parse_args()
-    for spec in args.also_restore_longest_with:
-        try:
-            setting_overrides(spec)
-        except ValueError as exc:
-            parser.error(f"--also-restore-longest-with: {exc}")
     lengths = sorted(int(x) for x in args.lengths.split(","))
     args.geometry = GEOMETRIES[args.geometry]
     if lengths[-1] + SUFFIX + 64 > args.geometry.max_pos:
@@ -190,7 +186,7 @@ def main() -> int:
     # vLLM's KV space: the longest prompt's KV and a tenth more (its own blocks' overhead).
     env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.max_len * args.geometry.kv_bytes_per_token
                                             * 1.1 / 2**30) + 1)
-    settings = load_settings({k: v for k, v in env.items() if not k.startswith("VLLM_")})
+    settings = load_settings(server_settings_in(env))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     ids = [rng.randrange(16, vocab) for _ in range(lengths[-1] + SUFFIX)]
@@ -213,7 +209,7 @@ def main() -> int:
     print(f"wrote {lengths[-1] // CHUNK_TOKENS} chunks "
           f"({kv_gib:.2f} GiB) in {write_s:.1f} s", flush=True)
 
-    variants = [setting_overrides(spec) for spec in args.also_restore_longest_with]
+    variants: list[dict[str, str]] = args.also_restore_longest_with
     args.varied = {k for v in variants for k in v}
     args.done = []
     rows = [restore(args, work, model, pins, env, ids, n) for n in lengths]

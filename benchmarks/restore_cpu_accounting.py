@@ -5,12 +5,18 @@ For each restore (both processes started afresh, the page cache dropped) it send
 the same chat again with its prefix in vLLM's own cache (the suffix's compute and the answer),
 and reads every process's CPU seconds (``/proc/<pid>/stat``) before and after each: the restore
 alone is the first time minus the second, and the CPU columns say which processes held the two
-cores meanwhile.  Variants of the server's settings alternate with the configured one.
+cores meanwhile; then a cold raw read of the chat's files (the page cache dropped) gives the
+ratio.  Variants alternate with the configured settings: a server setting restarts the server
+with it, anything else goes to vLLM's environment alone.  ``diagnostics/vllm_without_spin`` on
+vLLM's PYTHONPATH takes away vLLM's busy poll (a diagnostic, never the product's recipe): how
+much of the restore's time on 2 cores is the CPU that poll holds.
 
     .venv/bin/python benchmarks/bench_long_chat.py --geometry mid --tokens 127500 --l1-gb 0.5 \
         --work /tmp/chat128
     .venv/bin/python benchmarks/restore_cpu_accounting.py --work /tmp/chat128/default \
         --rounds 3 --variant KVP_SERVER_NICE=-10
+    .venv/bin/python benchmarks/restore_cpu_accounting.py --work /tmp/chat128/default \
+        --rounds 3 --variant PYTHONPATH=$PWD/benchmarks/diagnostics/vllm_without_spin
 """
 
 from __future__ import annotations
@@ -29,10 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_long_chat
 
 from kvpersist.config.server import load_settings
-from kvpersist.demo.stack import VllmProcess, chat, long_conversation
-from kvpersist.demo.tiny_model import build_tiny_model
+from kvpersist.demo.stack import VllmProcess, chat
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.testing.helpers import server_env, setting_overrides
+from kvpersist.testing.helpers import server_settings_in, setting_overrides
 from kvpersist.testing.slow_disk import drop_caches
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -77,40 +82,43 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], type=setting_overrides,
                         metavar="KEY=VALUE[,KEY=VALUE]",
-                        help="server settings restored after the configured ones in each round")
+                        help="settings restored after the configured ones in each round: the "
+                        "server's own go to the server, the others (PYTHONPATH=...) to vLLM alone")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     geometry = bench_long_chat.GEOMETRIES[args.geometry]
-    kv_gib = args.tokens * geometry.kv_bytes_per_token / 2**30
-    model = build_tiny_model(args.work / "models", geometry)
-    max_len = int(args.tokens * 1.1) + 2048
-    base = server_env(args.work / "cache", KVP_L1_SIZE_GB=f"{args.l1_gb:g}",
-                      KVP_CACHE_BUDGET_GB=str(int(kv_gib * 2) + 2))
-    vllm_env = {**base, "VLLM_CPU_KVCACHE_SPACE":
-                str(int(max_len * geometry.kv_bytes_per_token / 2**30) + 1)}
-    messages = long_conversation(args.tokens, "a very long chat")
+    setup = bench_long_chat.chat_setup(args.work, geometry, args.tokens, args.l1_gb)
+    files = sorted(p for p in load_settings(setup.server_vars).cache_root.iterdir()
+                   if p.suffix == ".kvp")
     rows = []
     for _ in range(args.rounds):
         for variant in [{}, *args.variant]:
-            settings = load_settings({**base, **variant})
+            settings = load_settings({**setup.server_vars, **server_settings_in(variant)})
             start_server(settings)
-            vllm = VllmProcess(model, args.work / "pins.env", args.work / "vllm-cpu.log",
-                               {**vllm_env, **variant}, max_model_len=max_len, compile=True)
+            vllm = VllmProcess(setup.model, setup.pins, args.work / "vllm-cpu.log",
+                               {**setup.vllm_env, **variant}, max_model_len=setup.max_len,
+                               compile=True)
             try:
                 vllm.start(timeout=1800)
                 drop_caches()
                 first, restored_s, restore_cpu = accounted(
-                    lambda v=vllm: chat(v.base_url, messages, timeout=7200))
+                    lambda v=vllm: chat(v.base_url, setup.messages, timeout=7200))
                 _, suffix_s, suffix_cpu = accounted(
-                    lambda v=vllm: chat(v.base_url, messages, timeout=7200))
+                    lambda v=vllm: chat(v.base_url, setup.messages, timeout=7200))
             finally:
                 vllm.kill()
                 stop_server(settings)
+            raw_s, _ = bench_long_chat.raw_cold_read(files)
             row = {"variant": variant, "restored_s": round(restored_s, 2),
                    "suffix_s": round(suffix_s, 2), "alone_s": round(restored_s - suffix_s, 2),
+                   "raw_cold_read_s": round(raw_s, 2),
+                   "alone_over_raw_read": round((restored_s - suffix_s) / raw_s, 2),
                    "cached_tokens": first.cached_tokens, "restore_cpu_s": restore_cpu,
                    "suffix_cpu_s": suffix_cpu}
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
     return 0
 
 

@@ -3,6 +3,7 @@ waits on conditions (ending processes: :mod:`kvpersist.testing.processes`)."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import time
@@ -10,6 +11,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..config.registry import BY_NAME
+from ..config.server import DEFAULTS as SERVER_DEFAULTS
 from ..config.server import ServerSettings, load_settings
 from ..demo.stack import free_port
 from ..demo.tiny_model import TINY_PINS as TINY_PINS
@@ -128,16 +131,31 @@ def server_env(root: Path, **extra: str) -> dict[str, str]:
             "KVP_CACHE_BUDGET_GB": "2", **extra}
 
 
+class SettingSpecError(ValueError, argparse.ArgumentTypeError):
+    """A variant that is not ``KEY=VALUE[,KEY=VALUE]``; argparse prints its message as it is."""
+
+
 def setting_overrides(spec: str) -> dict[str, str]:
-    """``KEY=VALUE[,KEY=VALUE]`` (a benchmark's variant of server settings) as a dict; ValueError
-    naming the bad item otherwise (usable as an argparse ``type``)."""
+    """``KEY=VALUE[,KEY=VALUE]`` (a benchmark's variant of settings) as a dict; SettingSpecError
+    (a ValueError) naming the bad item otherwise.  As an argparse ``type`` its message reaches
+    the user unchanged."""
     overrides: dict[str, str] = {}
     for item in spec.split(","):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"{item!r} is not KEY=VALUE (in {spec!r})")
+            raise SettingSpecError(f"{item!r} is not KEY=VALUE (in {spec!r})")
         overrides[key.strip()] = value
     return overrides
+
+
+def server_settings_in(variant: Mapping[str, str]) -> dict[str, str]:
+    """The items of ``variant`` that are the cache server's settings (``load_settings`` takes
+    these); the others are meant for vLLM's environment alone.  A ``KVP_`` name that is no
+    setting at all (a typo) is a SettingSpecError rather than silently left out."""
+    unknown = sorted(k for k in variant if k.startswith("KVP_") and k not in BY_NAME)
+    if unknown:
+        raise SettingSpecError(f"unknown setting(s): {', '.join(unknown)}")
+    return {key: value for key, value in variant.items() if key in SERVER_DEFAULTS}
 
 
 def kvpersist_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
