@@ -37,5 +37,5 @@ def test_only_the_servers_own_settings_go_to_the_server() -> None:
 
 
 def test_a_kvp_name_that_is_no_setting_is_refused_not_left_out() -> None:
-    with pytest.raises(ValueError, match="unknown setting.*KVP_L2_DIRECT_OI"):
+    with pytest.raises(ValueError, match=r"unknown setting.*KVP_L2_DIRECT_OI"):
         server_settings_in({"KVP_L2_DIRECT_OI": "false"})
