@@ -36,6 +36,8 @@ def test_only_the_servers_own_settings_go_to_the_server() -> None:
     assert server_settings_in(variant) == {"KVP_L2_DIRECT_IO": "false"}
 
 
-def test_a_kvp_name_that_is_no_setting_is_refused_not_left_out() -> None:
+def test_a_kvp_name_that_is_no_setting_is_refused_when_parsed_and_never_left_out() -> None:
+    with pytest.raises(ValueError, match=r"unknown setting.*KVP_L2_DIRECT_OI"):
+        setting_overrides("KVP_L2_DIRECT_IO=true,KVP_L2_DIRECT_OI=false")
     with pytest.raises(ValueError, match=r"unknown setting.*KVP_L2_DIRECT_OI"):
         server_settings_in({"KVP_L2_DIRECT_OI": "false"})

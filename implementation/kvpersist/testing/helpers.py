@@ -137,25 +137,31 @@ class SettingSpecError(ValueError, argparse.ArgumentTypeError):
 
 def setting_overrides(spec: str) -> dict[str, str]:
     """``KEY=VALUE[,KEY=VALUE]`` (a benchmark's variant of settings) as a dict; SettingSpecError
-    (a ValueError) naming the bad item otherwise.  As an argparse ``type`` its message reaches
-    the user unchanged."""
+    (a ValueError) naming the bad item otherwise, or naming a ``KVP_`` key that is no setting (a
+    typo, refused before a benchmark spends minutes on it).  As an argparse ``type`` its message
+    reaches the user unchanged."""
     overrides: dict[str, str] = {}
     for item in spec.split(","):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise SettingSpecError(f"{item!r} is not KEY=VALUE (in {spec!r})")
         overrides[key.strip()] = value
+    _refuse_unknown_settings(overrides)
     return overrides
 
 
 def server_settings_in(variant: Mapping[str, str]) -> dict[str, str]:
     """The items of ``variant`` that are the cache server's settings (``load_settings`` takes
     these); the others are meant for vLLM's environment alone.  A ``KVP_`` name that is no
-    setting at all (a typo) is a SettingSpecError rather than silently left out."""
-    unknown = sorted(k for k in variant if k.startswith("KVP_") and k not in BY_NAME)
+    setting at all is a SettingSpecError rather than silently left out."""
+    _refuse_unknown_settings(variant)
+    return {key: value for key, value in variant.items() if key in SERVER_DEFAULTS}
+
+
+def _refuse_unknown_settings(names: Mapping[str, str]) -> None:
+    unknown = sorted(k for k in names if k.startswith("KVP_") and k not in BY_NAME)
     if unknown:
         raise SettingSpecError(f"unknown setting(s): {', '.join(unknown)}")
-    return {key: value for key, value in variant.items() if key in SERVER_DEFAULTS}
 
 
 def kvpersist_settings(root: Path, budget_gb: str = "1") -> ServerSettings:
