@@ -44,6 +44,7 @@ from kvpersist.demo.tiny_model import LONG_CONTEXT, WIDE_KV, Geometry, build_tin
 from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import (
     adapter_status,
+    l2_data_files,
     pins_for_model,
     server_env,
     server_settings_in,
@@ -168,7 +169,7 @@ def run_once(args: argparse.Namespace, geometry: Geometry, work: Path,
         # of SAMPLES: one sample swings by a few tenths of a second on a busy 2-core machine).
         suffixes = [chat(vllm.base_url, messages, timeout=7200).seconds for _ in range(SAMPLES)]
         suffix_s = statistics.median(suffixes)
-        files = sorted(p for p in settings.cache_root.iterdir() if p.suffix in (".kvp", ".bin"))
+        files = l2_data_files(settings.cache_root)
         raws = [raw_cold_read(files) for _ in range(SAMPLES)]
         raw_s, raw_bytes = statistics.median(s for s, _ in raws), raws[0][1]
         result.update(

@@ -37,7 +37,7 @@ import bench_long_chat
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.testing.helpers import server_settings_in, setting_overrides
+from kvpersist.testing.helpers import l2_data_files, server_settings_in, setting_overrides
 from kvpersist.testing.slow_disk import drop_caches
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -88,8 +88,7 @@ def main() -> int:
     args = parser.parse_args()
     geometry = bench_long_chat.GEOMETRIES[args.geometry]
     setup = bench_long_chat.chat_setup(args.work, geometry, args.tokens, args.l1_gb)
-    files = sorted(p for p in load_settings(setup.server_vars).cache_root.iterdir()
-                   if p.suffix == ".kvp")
+    files = l2_data_files(load_settings(setup.server_vars).cache_root)
     rows = []
     for _ in range(args.rounds):
         for variant in [{}, *args.variant]:

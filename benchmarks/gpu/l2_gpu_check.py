@@ -44,7 +44,7 @@ from kvpersist.admin.page_cache import drop_page_cache
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.corruption import corrupt_file
-from kvpersist.testing.helpers import adapter_status, server_env, wait_until
+from kvpersist.testing.helpers import adapter_status, l2_data_files, server_env, wait_until
 from kvpersist.testing.lmcache_bench import BenchDriver
 
 MODEL = "gpu-check/l2/kvp-" + "7" * 32
@@ -55,10 +55,6 @@ def shape_spec(tokens: int, layers: int) -> tuple[str, int]:
     """LMCache's bench KV shape for ``tokens`` (float16, ``layers`` layers) and its blocks."""
     blocks = tokens // BLOCK + BLOCK
     return f"(2,{blocks},{BLOCK},{HEADS},{HEAD_SIZE}):float16:{layers}", blocks
-
-
-def l2_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("*.kvp") if p.is_file())
 
 
 def cold_page_cache() -> bool:
@@ -96,7 +92,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         d = driver(settings, args)
         began = time.perf_counter()
         stored = d.store(0)
-        wait_until(lambda: len(l2_files(root)) >= chunks, timeout=600)
+        wait_until(lambda: len(l2_data_files(root)) >= chunks, timeout=600)
         out["store_s"] = round(time.perf_counter() - began, 3)
         out["stored"] = stored
         sums = d.checksums(0)
@@ -114,7 +110,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                    load_hits=status.get("load_hits"), loaded_bytes=status.get("loaded_bytes"),
                    verify_s=status.get("verify_seconds"))
 
-        victim = l2_files(root)[chunks // 2]
+        victim = l2_data_files(root)[chunks // 2]
         corrupt_file(victim, "flip")  # one payload bit, the header left alone
         restart(settings)
         d = driver(settings, args)

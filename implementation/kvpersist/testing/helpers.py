@@ -22,14 +22,19 @@ from ..l2.layout import KeyFields
 from ..serving import http
 from ..serving.lmcache_compat import status as server_status
 
+#: Suffixes of L2 data files: kvpersist's (``.kvp``) and LMCache's own adapters' (``.bin``).
+L2_SUFFIXES = (".bin", ".kvp")
 
-def l2_files(root: Path, suffixes: tuple[str, ...] = (".bin", ".kvp")) -> dict[str, str]:
+
+def l2_data_files(root: Path, suffixes: tuple[str, ...] = L2_SUFFIXES) -> list[Path]:
+    """Every L2 data file directly in ``root``, sorted by name."""
+    return [p for p in sorted(root.iterdir()) if p.is_file() and p.suffix in suffixes]
+
+
+def l2_files(root: Path, suffixes: tuple[str, ...] = L2_SUFFIXES) -> dict[str, str]:
     """name → sha256 of content, for every L2 data file directly in ``root``."""
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.iterdir())
-        if p.is_file() and p.suffix in suffixes
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in l2_data_files(root, suffixes)}
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 60.0,
