@@ -3,7 +3,11 @@ in the project's venv) and its test support, :mod:`kvpersist.testing`; nothing e
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +21,22 @@ from kvpersist.testing.helpers import kvpersist_settings
 
 # LMCache's client runs inside the test process too (its bench client): telemetry off here as well.
 apply_to_current_process()
+
+
+def _isolate_digest_cache() -> None:
+    """The weights digests of the suite's throwaway models go to a cache of this process's own
+    (removed at exit), not the account's; vLLM's and Hugging Face's caches stay where they were
+    (vLLM's compile cache saves a start tens of seconds)."""
+    home_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                   ".cache")
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(home_cache, "vllm"))
+    os.environ.setdefault("HF_HOME", os.path.join(home_cache, "huggingface"))
+    private = tempfile.mkdtemp(prefix="kvp-test-xdg-")
+    os.environ["XDG_CACHE_HOME"] = private
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+
+
+_isolate_digest_cache()
 
 
 @pytest.fixture(scope="session")

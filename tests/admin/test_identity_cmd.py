@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.admin.cli import main
+from kvpersist.admin.pins_writer import TOKENIZER_FILES
 from kvpersist.demo.tiny_model import build_tiny_model
 from kvpersist.identity import load_pins
 from kvpersist.testing.helpers import TINY_PINS, write_pins
@@ -26,12 +27,10 @@ def _built_tiny_model() -> Path:
 
 
 def tiny_folder(root: Path) -> Path:
-    """A copy of the tiny model's folder without its weights (identity reads no weights)."""
+    """A copy of the tiny model's folder (the identity digests every file of it)."""
     built = _built_tiny_model()
     snap = root / "models--kvpersist--tiny-llama" / "snapshots" / REVISION
-    snap.mkdir(parents=True)
-    for name in ("config.json", "tokenizer_config.json"):
-        shutil.copyfile(built / name, snap / name)
+    shutil.copytree(built, snap)
     return snap
 
 
@@ -229,7 +228,8 @@ def test_write_pins_refuses_bad_input_and_writes_nothing(
     if breakage == "missing folder":
         folder = tmp_path / "nowhere"
     elif breakage == "no tokenizer":
-        (folder / "tokenizer_config.json").unlink()
+        for name in TOKENIZER_FILES:
+            (folder / name).unlink(missing_ok=True)
     else:
         broken = tmp_path / "broken.jinja"
         broken.write_text("{% for m in messages %}{{ m['content'] }")

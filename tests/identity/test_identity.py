@@ -43,6 +43,7 @@ BASE: dict[str, object] = {
     "model_dtype": "bfloat16",
     "quantization": "none",
     "model_config_sha256": "c" * 64,
+    "weights_sha256": "e" * 64,
 }
 
 #: A different valid value for every field.
@@ -65,6 +66,7 @@ CHANGED: dict[str, object] = {
     "model_dtype": "float16",
     "quantization": "fp8",
     "model_config_sha256": "d" * 64,
+    "weights_sha256": "f" * 64,
 }
 
 

@@ -132,7 +132,7 @@ def recorded(root: Path, model_id: str) -> str:
         "pipeline_parallel_size": 1, "connector": "LMCacheMPConnector",
         "build": "kvpersist-format=1;lmcache=0.5.6;vllm=0.32.0", "max_model_len": 32768,
         "chat_template_sha256": "a" * 64, "model_dtype": "bfloat16", "quantization": "none",
-        "model_config_sha256": "c" * 64})
+        "model_config_sha256": "c" * 64, "weights_sha256": "e" * 64})
     root.mkdir(parents=True, exist_ok=True)
     write_record(root, identity)
     return identity.namespace

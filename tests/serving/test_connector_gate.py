@@ -48,7 +48,7 @@ def test_engine_identity_matches_pins(tiny_model: Path) -> None:
     assert res.identity.model_revision == tiny_model.name
     # Fields the engine itself derived were cross-checked against the pins.
     for name in ("kv_cache_dtype", "block_size", "num_kv_heads", "head_size", "max_model_len",
-                 "model_revision", "chat_template_sha256"):
+                 "model_revision", "chat_template_sha256", "weights_sha256"):
         assert res.sources[name] == "both", (name, res.sources[name])
     assert res.sources["build"] == "engine"
 

@@ -6,8 +6,10 @@ Invariants
   dtype, chat template) are read from the *same* argument list the launcher hands to vLLM
   (:func:`kvpersist.identity.engine_flags.identity_flags`), so the pins and the engine cannot drift apart.
 * A pins file is written only from a complete identity, atomically, and never over a different
-  file unless forced; an identical file is left as it is.  The build field is left to the
-  engine (pinning it would turn caching off at every upgrade), as in the shipped pins.
+  file unless forced; an identical file is left as it is.  The build and the weights digest
+  are left to the engine: pinning the build would turn caching off at every upgrade, and
+  pinning the weights digest would turn it off when the weights in the folder are replaced,
+  where leaving it to the engine gives them a namespace of their own without re-pinning.
 * A model folder is checked before anything is written: readable, with ``config.json``, a
   tokenizer and, when it has one, a chat template that renders a short conversation.
 """
@@ -24,7 +26,7 @@ from ..identity import FIELDS, CacheIdentity
 #: Files any one of which makes a folder a tokenizer folder (as transformers loads them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: Fields the pins file leaves to the running engine.
-ENGINE_ONLY = ("build",)
+ENGINE_ONLY = ("build", "weights_sha256")
 
 
 class PinsError(ValueError):
@@ -88,7 +90,11 @@ def render_pins(identity: CacheIdentity, *, origin: str) -> str:
         lines += [f"# {spec.doc}", f"{spec.env}={values[spec.name]}"]
     lines += ["# KVP_BUILD is left to the engine (kvpersist format + LMCache + vLLM versions); "
               "pin it to turn", "# caching off, instead of starting a new namespace, when the "
-              "installed build changes.", ""]
+              "installed build changes.",
+              "# KVP_WEIGHTS_SHA256 is left to the engine, which digests the model folder's "
+              "bytes at start: weights", "# replaced in the folder get a namespace of their own; "
+              "pin it (`kvp-admin identity --json`", "# shows it) to turn caching off instead.",
+              ""]
     return "\n".join(lines)
 
 

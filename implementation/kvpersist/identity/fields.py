@@ -86,6 +86,9 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("model_config_sha256", "KVP_MODEL_CONFIG_SHA256", "sha256",
               "sha256 of the checkpoint's config.json with --hf-overrides (rope scaling, "
               "quantization_config, architecture)"),
+    FieldSpec("weights_sha256", "KVP_WEIGHTS_SHA256", "sha256",
+              "sha256 over the model folder's files by their bytes (weights, config, tokenizer; "
+              "kvpersist.identity.weights_digest)"),
 )
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 _BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
@@ -165,6 +168,7 @@ class CacheIdentity:
     model_dtype: str
     quantization: str
     model_config_sha256: str
+    weights_sha256: str
 
     def __post_init__(self) -> None:
         for spec in FIELDS:

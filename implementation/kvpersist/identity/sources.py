@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .fields import NO_CHAT_TEMPLATE
+from .weights_digest import FileDigestCache, default_cache_dir, weights_digest
 
 #: The ``quantization`` field of an unquantized model.
 NO_QUANTIZATION = "none"
@@ -57,31 +58,6 @@ def hf_snapshot_origin(path: Path) -> tuple[str, str] | None:
     if match is None:
         return None
     return match.group("repo").replace("--", "/"), path.name
-
-
-#: Bytes read per step while digesting a local model folder.
-_DIGEST_BLOCK = 8 << 20
-
-
-def folder_digest(folder: Path, progress: Callable[[int], None] | None = None) -> str:
-    """The revision of a model folder outside the Hugging Face cache layout: sha256 over every
-    regular file's relative path, size and bytes, in path order (symlinks followed, as vLLM
-    loads them), first 40 hex digits (the width of a revision field).  Any changed byte of
-    weights, config or tokenizer gives another revision, so a re-saved checkpoint never shares
-    a namespace with the old one.  ``progress`` gets the bytes read so far."""
-    digest = hashlib.sha256()
-    done = 0
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel = path.relative_to(folder).as_posix().encode()
-        digest.update(len(rel).to_bytes(4, "big") + rel
-                      + path.stat().st_size.to_bytes(8, "big"))
-        with path.open("rb") as data:
-            while block := data.read(_DIGEST_BLOCK):
-                digest.update(block)
-                done += len(block)
-                if progress is not None:
-                    progress(done)
-    return digest.hexdigest()[:40]
 
 
 def chat_template_digest(template: str | None) -> str:
@@ -196,7 +172,9 @@ def checkpoint_quantization(cfg: Mapping[str, Any]) -> str:
 
 def from_model_folder(folder: str | Path, *, kv_cache_dtype: str = "auto", dtype: str = "auto",
                       quantization: str | None = None,
-                      hf_overrides: Mapping[str, Any] | None = None) -> dict[str, object]:
+                      hf_overrides: Mapping[str, Any] | None = None,
+                      digests: FileDigestCache | None = None,
+                      progress: Callable[[int], None] | None = None) -> dict[str, object]:
     """Fields readable from a local HF-style model folder, served with the given vLLM flags.
 
     ``dtype="auto"`` is the weights' dtype from config.json, and ``kv_cache_dtype="auto"`` is
@@ -219,6 +197,12 @@ def from_model_folder(folder: str | Path, *, kv_cache_dtype: str = "auto", dtype
     out["quantization"] = (quantization.lower() if quantization
                            else checkpoint_quantization(cfg))
     out["model_config_sha256"] = model_config_digest(cfg, hf_overrides)
+    try:
+        out["weights_sha256"] = weights_digest(
+            path, digests if digests is not None else FileDigestCache(default_cache_dir()),
+            progress)
+    except OSError as exc:
+        raise ValueError(f"cannot digest the model folder {path}: {exc}") from None
     origin = hf_snapshot_origin(path)
     if origin is not None:
         out["model_id"], out["model_revision"] = origin
@@ -232,11 +216,14 @@ def _resolved_dtype_name(value: object) -> str:
     return str(value).removeprefix("torch.")
 
 
-def from_vllm_config(vllm_config: Any, *, chat_template_file: str | None = None) -> dict[str, object]:
+def from_vllm_config(vllm_config: Any, *, chat_template_file: str | None = None,
+                     digests: FileDigestCache | None = None) -> dict[str, object]:
     """Fields of the running engine, read from vLLM's ``VllmConfig``.
 
     ``chat_template_file`` is the ``--chat-template`` given to the API server (the engine
     config does not carry it); the launcher passes it as ``kvpersist.chat_template_file``.
+    The weights digest is left out (and caching stays off) when the engine's model folder
+    cannot be found or read; ``digests`` is the account's file digest cache by default.
     """
     mc = vllm_config.model_config
     cc = vllm_config.cache_config
@@ -260,6 +247,10 @@ def from_vllm_config(vllm_config: Any, *, chat_template_file: str | None = None)
     config_digest = engine_model_config_digest(mc)
     if config_digest is not None:
         out["model_config_sha256"] = config_digest
+    weights = engine_weights_digest(mc, digests if digests is not None
+                                    else FileDigestCache(default_cache_dir()))
+    if weights is not None:
+        out["weights_sha256"] = weights
     model_path = Path(str(mc.model))
     if model_path.is_dir():
         origin = hf_snapshot_origin(model_path)
@@ -302,6 +293,33 @@ def engine_config_json(mc: Any) -> Path | None:
     found = try_to_load_from_cache(str(mc.model), "config.json",
                                    revision=getattr(mc, "revision", None))
     return Path(found) if isinstance(found, str) else None
+
+
+def engine_model_folder(mc: Any) -> Path | None:
+    """The folder the running engine loads its weights from: its model path, or the Hugging
+    Face cache's snapshot of its model id and revision; None when unknown."""
+    source = Path(str(mc.model))
+    if source.is_dir():
+        return source
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(str(mc.model), "config.json",
+                                   revision=getattr(mc, "revision", None))
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def engine_weights_digest(mc: Any, digests: FileDigestCache) -> str | None:
+    """The weights digest of the engine's model folder, or None when it has none or a file
+    cannot be read (logged by the caller's gate as a missing field)."""
+    folder = engine_model_folder(mc)
+    if folder is None:
+        return None
+    try:
+        return weights_digest(folder, digests)
+    except OSError:
+        return None
 
 
 def engine_model_config_digest(mc: Any) -> str | None:

@@ -4,10 +4,12 @@ field by field why two configurations never share KV (the answer to "why no hits
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +35,10 @@ from ...identity.sources import (
     CONNECTOR_NAME,
     build_identity,
     chat_template_digest,
-    folder_digest,
     from_model_folder,
     hf_snapshot_origin,
 )
+from ...identity.weights_digest import FileDigestCache, default_cache_dir, folder_bytes, weights_digest
 from ..pins_writer import (
     TOKENIZER_FILES,
     PinsError,
@@ -45,7 +47,7 @@ from ..pins_writer import (
     render_pins,
     write_pins,
 )
-from ..progress import stderr_progress
+from ..progress import Progress, stderr_progress
 from ..report import active_namespaces_from_server
 from .common import (
     EXIT_ERROR,
@@ -91,9 +93,11 @@ def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
     folder = model_folder(args, flags)
     live: dict[str, object] = {}
     if folder:
-        live.update(from_model_folder(
-            folder, kv_cache_dtype=flags.kv_cache_dtype or "auto", dtype=flags.dtype or "auto",
-            quantization=flags.quantization, hf_overrides=hf_overrides_of(flags)))
+        with digest_progress(Path(folder)) as progress:
+            live.update(from_model_folder(
+                folder, kv_cache_dtype=flags.kv_cache_dtype or "auto",
+                dtype=flags.dtype or "auto", quantization=flags.quantization,
+                hf_overrides=hf_overrides_of(flags), progress=progress))
     template_text = None
     if flags.chat_template:
         try:
@@ -145,11 +149,37 @@ def _resolved_or_report(args: argparse.Namespace, command: str) -> CliResolution
         return None
 
 
+@contextlib.contextmanager
+def digest_progress(folder: Path) -> Iterator[Callable[[int], None]]:
+    """A progress callback (bytes read per step, from several threads) for digesting
+    ``folder``: a bar on a terminal while files are read, nothing when the cache answers."""
+    lock = threading.Lock()
+    done = 0
+    bar: Progress | None = None
+    started = False
+
+    def step(nbytes: int) -> None:
+        nonlocal done, bar, started
+        with lock:
+            if not started:
+                started = True
+                bar = stderr_progress("digesting the model folder", folder_bytes(folder),
+                                      unit="bytes")
+            done += nbytes
+            if bar is not None:
+                bar(done)
+    try:
+        yield step
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def local_folder_fields(args: argparse.Namespace) -> list[str]:
     """``--set`` pairs for a model folder outside the Hugging Face cache layout, which has no
-    revision to read: the revisions are a content digest of the folder
-    (:func:`kvpersist.identity.sources.folder_digest`), the ids ``local/<folder name>``; a field
-    the operator set is kept."""
+    revision to read: the revisions are the folder's weights digest cut to 40 hex digits
+    (:mod:`kvpersist.identity.weights_digest`), the ids ``local/<folder name>``; a field the
+    operator set is kept."""
     folder = model_folder(args, engine_flags(args))
     if not folder or not Path(folder).is_dir() or hf_snapshot_origin(Path(folder)) is not None:
         return []
@@ -162,11 +192,8 @@ def local_folder_fields(args: argparse.Namespace) -> list[str]:
         return []
     digest = ""
     if any(name.endswith("revision") and name not in given for name in wanted):
-        total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-        bar = stderr_progress("digesting the model folder", total, unit="bytes")
-        digest = folder_digest(path, bar)
-        if bar is not None:
-            bar.close()
+        with digest_progress(path) as progress:
+            digest = weights_digest(path, FileDigestCache(default_cache_dir()), progress)[:40]
         print(f"note: {path} is not a Hugging Face snapshot: its revision is a content digest "
               f"of the folder ({digest}); any changed file gives another namespace",
               file=sys.stderr)
