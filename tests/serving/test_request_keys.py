@@ -117,3 +117,87 @@ def test_a_multimodal_request_s_key_differs_with_the_image() -> None:
     assert one != two
     assert one[:4] == two[:4] == [1, 2, 3, 4] and one[12:] == two[12:] == [5, 6]
     assert one[4:12] != [9] * 8
+
+
+# --- multimodal items keyed by content, never by vLLM's identifier (a label)
+
+
+def image_feature(pixels: object, identifier: str) -> object:
+    """vLLM's real feature spec for one image whose processed inputs are ``pixels``."""
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFeatureSpec,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+
+    item = None if pixels is None else MultiModalKwargsItem({
+        "pixel_values": MultiModalFieldElem(data=pixels, field=MultiModalBatchedField())})
+    return MultiModalFeatureSpec(data=item, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(4, 8), mm_hash=identifier)
+
+
+def image_request(pixels: object, identifier: str, salt: str | None = None) -> SimpleNamespace:
+    req = mm_request(identifier)
+    req.mm_features = [image_feature(pixels, identifier)]
+    req.cache_salt = salt
+    return req
+
+
+def lmcache_key(req: SimpleNamespace, keys: RequestKeys) -> tuple[tuple[int, ...], str]:
+    """What LMCache keys the request's chunks by: its tracker's token IDs (placeholders
+    replaced from the identifier) and the salt kvpersist gives the tracker."""
+    from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestTracker
+
+    salt = keys.salt(req)
+    assert isinstance(salt, str), salt
+    return tuple(LMCacheMPRequestTracker(req).get_token_ids()), salt
+
+
+def test_an_image_is_keyed_by_its_content_not_by_vllm_s_counter_or_a_client_uuid() -> None:
+    import torch
+
+    keys = RequestKeys(None)
+    image_a = torch.arange(48, dtype=torch.float32).reshape(4, 12)
+    image_b = image_a.clone()
+    image_b[3, 11] += 1.0  # one value differs
+    # vLLM without prefix caching and processor cache: a counter that restarts every launch
+    counter = "renderer0-mm-1-image-0"
+    assert lmcache_key(image_request(image_a, counter), keys) != lmcache_key(
+        image_request(image_b, counter), keys)
+    # a client's uuid, reused for other bytes: no hit across them
+    assert lmcache_key(image_request(image_a, "my-uuid"), keys) != lmcache_key(
+        image_request(image_b, "my-uuid"), keys)
+    # the same bytes under two labels share the salt (what the engine computed with is equal)
+    assert keys.salt(image_request(image_a, "my-uuid")) == keys.salt(
+        image_request(image_a.clone(), counter))
+    # another tenant's salt never reaches this one's KV, whatever uuid it sends
+    assert keys.salt(image_request(image_a, "my-uuid", salt="tenant-a")) != keys.salt(
+        image_request(image_a, "my-uuid", salt="tenant-b"))
+    derived = keys.salt(image_request(image_a, counter))
+    assert isinstance(derived, str) and derived.startswith(RESERVED_PREFIX + "mm-")
+
+
+def test_dtype_shape_and_position_are_part_of_an_image_s_key() -> None:
+    import torch
+
+    keys = RequestKeys(None)
+    base = torch.zeros(4, 12)
+    salts = {keys.salt(image_request(t, "x")) for t in
+             (base, base.to(torch.bfloat16), base.reshape(12, 4), base.reshape(1, 4, 12))}
+    assert len(salts) == 4
+    moved = image_request(base, "x")
+    from vllm.multimodal.inputs import PlaceholderRange
+
+    moved.mm_features[0].mm_position = PlaceholderRange(5, 8)
+    assert keys.salt(moved) not in salts
+
+
+@pytest.mark.parametrize("pixels", [None, {"address": 4096, "monotonic_id": 7}])
+def test_an_image_without_inputs_the_scheduler_can_digest_is_not_cached(pixels: object) -> None:
+    req = image_request(None, "renderer0-mm-1-image-0")
+    if pixels is not None:  # vLLM's shm processor cache hands the scheduler a handle
+        req.mm_features[0].data = pixels
+    verdict = RequestKeys(None).salt(req)
+    assert isinstance(verdict, Uncacheable) and verdict.reason == "mm_no_content"

@@ -43,8 +43,10 @@ UNCACHED = "kvpersist_uncached_requests"
 UNCACHED_METRIC = "vllm:kvpersist_uncached_requests_total"
 #: prompt_embeds: the request carries prompt embeddings (no content key); lora_not_local,
 #: lora_unreadable, lora_changed: its LoRA adapter cannot be keyed by content
-#: (:mod:`kvpersist.serving.connector.request_keys`).
-UNCACHED_REASONS = ("prompt_embeds", "lora_not_local", "lora_unreadable", "lora_changed")
+#: (:mod:`kvpersist.serving.connector.request_keys`); mm_no_content: a multimodal item reached
+#: the scheduler without inputs kvpersist can digest (vLLM's shm processor cache).
+UNCACHED_REASONS = ("prompt_embeds", "lora_not_local", "lora_unreadable", "lora_changed",
+                    "mm_no_content")
 #: What each labelled counter of these stats is: data key -> (metric, reasons, help text).
 COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     BYPASSES: (BYPASS_METRIC, BYPASS_REASONS,
@@ -61,7 +63,7 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     UNCACHED: (UNCACHED_METRIC, UNCACHED_REASONS,
                "Requests kvpersist neither looked up nor stored because their KV cannot be "
                "keyed exactly, by reason: prompt_embeds, lora_not_local, lora_unreadable, "
-               "lora_changed."),
+               "lora_changed, mm_no_content."),
 }
 
 

@@ -1,12 +1,17 @@
-"""What a request adds to LMCache's key besides its tokens: its LoRA adapter, by content.
+"""What a request adds to LMCache's key besides its tokens: its LoRA adapter and its
+multimodal items, both by content.
 
 LMCache keys a chunk by the model name (kvpersist's carries the namespace), the rank, the
 object group, a hash of the chunk's token IDs and the request's ``cache_salt``.  For a
-multimodal request LMCache itself replaces each placeholder span of the token IDs with values
-derived from vLLM's content hash of the item (``apply_mm_hashes_to_token_ids``), the same
-identifier vLLM's own prefix cache uses, so two images never share a key.  A LoRA adapter
-reaches no part of the key: kvpersist folds it into the salt LMCache sees
-(:func:`request_salt`), which LMCache already keeps apart everywhere (key, file name, lookup).
+multimodal request LMCache replaces each placeholder span of the token IDs with values derived
+from vLLM's ``identifier`` of the item (``apply_mm_hashes_to_token_ids``).  That identifier is a
+label, not always a content hash: with prefix caching off and no processor cache it is a counter
+that restarts with every process (``renderer0-mm-1-image-0``), and a client's ``uuid`` is taken
+verbatim.  So kvpersist keys every item itself, by the processed inputs the engine computes with
+(:func:`mm_content_digest`), and folds that digest into the salt; the identifier decides
+nothing.  A LoRA adapter reaches no part of LMCache's key either: it is folded into the salt
+the same way (:func:`request_salt`), which LMCache keeps apart everywhere (key, file name,
+lookup).
 
 Invariants
 ----------
@@ -16,6 +21,12 @@ Invariants
   request's own salt and the adapter's full digest: two requests share a salt only when both
   agree, and no user-chosen salt can equal a derived one (a user salt with the reserved prefix
   is derived too).
+* A request with multimodal items keeps no salt of its own: its salt is derived from the
+  content digest of every item (modality, placeholder position and length, and each processed
+  input tensor's dtype, shape and bytes), so two requests share KV across an item only when the
+  engine computed with the same inputs.  An item whose inputs the scheduler cannot see (vLLM's
+  ``shm`` processor cache hands it a handle; an item without data) is uncacheable, never keyed
+  by its label.
 * An adapter is keyed by its content: sha256 over every file of its folder (relative path and
   bytes) with the engine's LoRA settings that change the adapter's computation; never by its
   name or id alone.
@@ -47,6 +58,8 @@ logger = logging.getLogger("vllm.kvpersist.connector")
 RESERVED_PREFIX = "kvpk-"
 #: The tag of a derived salt without an adapter (a user salt with the reserved prefix).
 NO_ADAPTER_TAG = "base"
+#: The tag of a derived salt with multimodal items and no adapter.
+MM_TAG = "mm"
 #: A derived salt with an adapter: ``kvpk-lora<first TAG_LEN hex of its digest>-<32 hex>``; the
 #: one statement of that format (``kvp-admin report`` matches file names with it).
 ADAPTER_SALT = re.compile(re.escape(RESERVED_PREFIX) + rf"lora([0-9a-f]{{{TAG_LEN}}})-")
@@ -63,15 +76,75 @@ class Uncacheable:
     detail: str
 
 
-def request_salt(user_salt: str, adapter_digest: str | None) -> str:
-    """The salt LMCache sees for a request with ``user_salt`` and this adapter (see module
-    invariants)."""
-    if adapter_digest is None and not user_salt.startswith(RESERVED_PREFIX):
+def request_salt(user_salt: str, adapter_digest: str | None,
+                 content_digest: str | None = None) -> str:
+    """The salt LMCache sees for a request with ``user_salt``, this adapter and these
+    multimodal items (``content_digest``; see module invariants)."""
+    if (adapter_digest is None and content_digest is None
+            and not user_salt.startswith(RESERVED_PREFIX)):
         return user_salt
-    payload = json.dumps([_DOMAIN, user_salt, adapter_digest], ensure_ascii=True)
+    parts: list[str | None] = [_DOMAIN, user_salt, adapter_digest]
+    if content_digest is not None:
+        parts.append(content_digest)
+    payload = json.dumps(parts, ensure_ascii=True)
     digest = hashlib.sha256(payload.encode("ascii")).hexdigest()[:32]
-    tag = NO_ADAPTER_TAG if adapter_digest is None else f"lora{adapter_digest[:TAG_LEN]}"
+    if adapter_digest is not None:
+        tag = f"lora{adapter_digest[:TAG_LEN]}"
+    else:
+        tag = MM_TAG if content_digest is not None else NO_ADAPTER_TAG
     return f"{RESERVED_PREFIX}{tag}-{digest}"
+
+
+class _NotContent(Exception):
+    """A multimodal input holds something other than tensors and plain values."""
+
+
+def _feed(h: Any, value: Any) -> None:
+    """Frame ``value`` (nested tensors, lists, tuples, numbers, strings, None) into ``h``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().to("cpu").contiguous()
+        h.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
+        h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    elif isinstance(value, (list, tuple)):
+        h.update(f"L{type(value).__name__}{len(value)}".encode())
+        for inner in value:
+            _feed(h, inner)
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        h.update(f"V{type(value).__name__}:{value!r}\0".encode())
+    else:
+        raise _NotContent(type(value).__name__)
+
+
+def mm_content_digest(features: Any) -> str | Uncacheable | None:
+    """sha256 over a request's multimodal items as the engine computes with them (see module
+    invariants); None for a request without items."""
+    if not features:
+        return None
+    h = hashlib.sha256(b"kvpersist-mm-content-v1\0")
+    for feature in features:
+        data = getattr(feature, "data", None)
+        position = getattr(feature, "mm_position", None)
+        if data is None or not hasattr(data, "items"):
+            return Uncacheable("mm_no_content", "a multimodal item reached the scheduler "
+                               "without its inputs (vLLM's shm processor cache, or no data): "
+                               "it cannot be keyed by content, so the request is neither "
+                               "looked up nor stored")
+        h.update(f"{feature.modality}@{getattr(position, 'offset', None)}"
+                 f"+{getattr(position, 'length', None)}".encode())
+        try:
+            for name in sorted(data):
+                elem = data[name]
+                if not hasattr(elem, "data"):
+                    raise _NotContent(type(elem).__name__)
+                h.update(f"F{name}:{type(getattr(elem, 'field', None)).__name__}".encode())
+                _feed(h, elem.data)
+        except _NotContent as exc:
+            return Uncacheable("mm_no_content", f"a multimodal item's inputs hold a "
+                               f"{exc} (not tensors): the request is neither looked up nor "
+                               "stored")
+    return h.hexdigest()
 
 
 def adapter_tag_of_salt(salt: str) -> str | None:
@@ -129,13 +202,16 @@ class RequestKeys:
             return Uncacheable("prompt_embeds", "a request with prompt embeddings has no "
                                "content key; it is neither looked up nor stored")
         user_salt = getattr(request, "cache_salt", None) or ""
+        content = mm_content_digest(getattr(request, "mm_features", None))
+        if isinstance(content, Uncacheable):
+            return content
         lora = getattr(request, "lora_request", None)
         if lora is None:
-            return request_salt(user_salt, None)
+            return request_salt(user_salt, None, content)
         digest = self.adapter_digest(lora)
         if isinstance(digest, Uncacheable):
             return digest
-        return request_salt(user_salt, digest)
+        return request_salt(user_salt, digest, content)
 
     def adapter_digest(self, lora: Any) -> str | Uncacheable:
         """The content digest of ``lora`` (vLLM's ``LoRARequest``), taken once per process."""
