@@ -5,7 +5,9 @@ with two random adapters that change K and V (``--enable-lora``), vLLM's own pre
 that every repeat is an LMCache lookup.  The first engine computes each of adapter a, adapter b
 and the base model cold (``cached_tokens`` 0: none of them may hit another's KV) and then hits
 its own KV; ``kvp-admin report`` names the adapter of each file; after restarting both processes
-adapter a's chat comes back from L2 bit-identical.
+adapter a's chat comes back from L2 bit-identical; then adapter a reloaded in place and a
+collective RPC that may change the weights (``reload_weights``) each end the lookups they could
+make wrong, counted in ``/metrics``.
 The probe can fail: the two adapters' cold answers differ from each other and from the base's.
 """
 
@@ -13,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -85,7 +90,10 @@ def test_adapters_never_share_kv_and_come_back_from_l2(
 
     # both processes restarted: adapter a's chat comes back from L2, bit-identical
     start_server(settings)
-    vllm = lora_engine(tiny_model, adapters, tmp_path / "vllm-2.log", server_env)
+    # with the run-time weight APIs on: a reload ends caching of what it may change
+    runtime_env = {**server_env, "VLLM_SERVER_DEV_MODE": "1",
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    vllm = lora_engine(tiny_model, adapters, tmp_path / "vllm-2.log", runtime_env)
     try:
         vllm.start()
         restored = chat(vllm.base_url, messages, model="a")
@@ -93,5 +101,44 @@ def test_adapters_never_share_kv_and_come_back_from_l2(
         assert (restored.tokens, restored.logprobs) == (cold["a"].tokens, cold["a"].logprobs)
         base = chat(vllm.base_url, messages, model="tiny")
         assert (base.tokens, base.logprobs) == (cold["tiny"].tokens, cold["tiny"].logprobs)
+        assert base.cached_tokens == full(prompt - 1), base
+
+        # adapter a reloaded in place: its requests are no longer looked up (nor stored)
+        post(vllm.base_url + "/v1/load_lora_adapter",
+             {"lora_name": "a", "lora_path": str(adapters["a"]), "load_inplace": True})
+        assert chat(vllm.base_url, messages, model="a").cached_tokens == 0
+        # a collective RPC that may change the weights: nothing is looked up from then on
+        post(vllm.base_url + "/collective_rpc", {"method": "reload_weights"}, ok_or_error=True)
+        after = chat(vllm.base_url, messages, model="tiny")
+        assert after.cached_tokens == 0, after
+        counted = uncached_counts(vllm.base_url)
+        assert counted.get("lora_reloaded", 0) >= 1 and counted.get("weights_changed", 0) >= 1, \
+            counted
     finally:
         vllm.kill()
+
+
+def post(url: str, body: dict[str, object], *, ok_or_error: bool = False) -> None:
+    """POST ``body``; with ``ok_or_error`` an error answer is accepted (the CPU worker may not
+    implement the RPC: kvpersist must stop caching before it runs either way)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert response.status == 200
+    except urllib.error.HTTPError as exc:
+        if not ok_or_error:
+            raise AssertionError(f"{url}: {exc.code} {exc.read()!r}") from None
+
+
+def uncached_counts(base_url: str) -> dict[str, float]:
+    """``vllm:kvpersist_uncached_requests_total`` by reason, from vLLM's /metrics."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r'vllm:kvpersist_uncached_requests_total\{.*reason="([a-z_]+)".*\} (\S+)',
+                         line)
+        if match:
+            counts[match.group(1)] = counts.get(match.group(1), 0.0) + float(match.group(2))
+    return counts

@@ -32,4 +32,4 @@ def test_counts_are_cloned_aggregated_and_reset() -> None:
 def test_dropped_stores_are_a_documented_metric() -> None:
     metric, reasons, documentation = COUNTERS[DROPPED_STORES]
     assert metric == DROPPED_STORE_METRIC == "vllm:kvpersist_dropped_stores_total"
-    assert reasons == ("server_down",) and "not cached" in documentation
+    assert reasons == ("server_down", "weights_changed") and "not cached" in documentation

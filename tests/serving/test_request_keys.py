@@ -201,3 +201,57 @@ def test_an_image_without_inputs_the_scheduler_can_digest_is_not_cached(pixels: 
         req.mm_features[0].data = pixels
     verdict = RequestKeys(None).salt(req)
     assert isinstance(verdict, Uncacheable) and verdict.reason == "mm_no_content"
+
+
+# --- adapters whose weights may differ from what a digest says
+
+
+def test_an_adapter_id_reused_for_another_folder_is_not_cached(tmp_path: Path) -> None:
+    keys = RequestKeys(None)
+    voided: list[int] = []
+    keys.on_adapter_void = voided.append
+    one = adapter(tmp_path / "one", b"\x01" * 64)
+    two = adapter(tmp_path / "two", b"\x02" * 64)
+    assert isinstance(keys.salt(request(lora_request(one, "a", 1))), str)
+    # the offline API reuses id 1 for another adapter: vLLM's workers may keep serving "a"
+    verdict = keys.salt(request(lora_request(two, "b", 1)))
+    assert isinstance(verdict, Uncacheable) and verdict.reason == "lora_id_reused"
+    assert voided == [1]  # requests keyed with id 1 before store nothing more
+    again = keys.salt(request(lora_request(one, "a", 1)))
+    assert isinstance(again, Uncacheable) and again.reason == "lora_id_reused"
+    assert isinstance(keys.salt(request(lora_request(two, "b", 2))), str)  # its own id: fine
+
+
+def test_an_adapter_reloaded_in_place_is_not_cached(tmp_path: Path) -> None:
+    keys = RequestKeys(None)
+    voided: list[int] = []
+    keys.on_adapter_void = voided.append
+    folder = adapter(tmp_path / "a", b"\x01" * 64)
+    assert isinstance(keys.salt(request(lora_request(folder, "a", 3))), str)
+    reload = lora_request(folder, "a", 3)
+    reload.load_inplace = True
+    verdict = keys.salt(request(reload))
+    assert isinstance(verdict, Uncacheable) and verdict.reason == "lora_reloaded"
+    assert voided == [3]
+    assert isinstance(keys.salt(request(lora_request(folder, "a", 3))), Uncacheable)
+
+
+def test_a_large_adapter_is_digested_off_the_scheduler_s_thread(tmp_path: Path) -> None:
+    import time
+
+    from kvpersist.identity.weights_digest import FileDigestCache
+
+    folder = adapter(tmp_path / "big", b"\x05" * 4096)
+    keys = RequestKeys(None, digests=FileDigestCache(tmp_path / "digests"), inline_bytes=1024)
+    first = keys.salt(request(lora_request(folder)))
+    assert isinstance(first, Uncacheable) and first.reason == "lora_digest_pending"
+    deadline = time.monotonic() + 30
+    while isinstance(salt := keys.salt(request(lora_request(folder))), Uncacheable):
+        assert salt.reason == "lora_digest_pending" and time.monotonic() < deadline
+        time.sleep(0.01)
+    # the same key an inline digest gives
+    assert salt == RequestKeys(None, inline_bytes=1 << 30).salt(request(lora_request(folder)))
+    # a restart (a new engine) finds every file's digest cached: keyed at once, nothing read
+    restarted = RequestKeys(None, digests=FileDigestCache(tmp_path / "digests"),
+                            inline_bytes=1024)
+    assert restarted.salt(request(lora_request(folder))) == salt

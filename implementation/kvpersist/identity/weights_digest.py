@@ -143,6 +143,18 @@ class FileDigestCache:
             logger.warning("kvpersist: the file digest cache %s cannot be written (%s); "
                            "model files are digested again at every start", self.directory, exc)
 
+    def knows(self, folder: Path) -> bool:
+        """Whether every file :func:`weights_digest` reads in ``folder`` is cached as it is now
+        (a digest of it then reads no file)."""
+        if self.directory is None:
+            return False
+        for path in model_files(folder):
+            version = FileVersion.of(path)
+            entry = self._entry_path(version)
+            if entry is None or self._read(entry, version) is None:
+                return False
+        return True
+
     def sha256(self, path: Path, progress: Callable[[int], None] | None = None) -> str:
         """The sha256 of ``path``'s bytes, read only when this file version is not cached.
         ``progress`` gets the bytes read by each step (nothing when the cache answers)."""

@@ -68,8 +68,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...config.client import ConnectorOptions
 from ...identity import CacheIdentity
 from ...identity.adapter_records import record_adapter
+from ...identity.weights_digest import FileDigestCache, default_cache_dir
 from ..lmcache_compat import adapters as lmcache_adapters
-from ..lmcache_compat import engine_config
+from ..lmcache_compat import engine_config, engine_rpc
 from ..lmcache_compat import pins as lmcache_pins
 from .gate import AttachLate, Bypass, CacheOn, Closed, decide, record_identity
 from .metrics import KvPersistConnectorStats, KvPersistPromMetrics
@@ -181,9 +182,13 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
                 self, options, identity, self.kvp_stats, attach_late=attach_late,
                 workers=int(vllm_config.parallel_config.world_size),
                 keys=RequestKeys(lora_settings(vllm_config),
-                                 on_keyed=functools.partial(_record_adapter, options)))
+                                 on_keyed=functools.partial(_record_adapter, options),
+                                 digests=FileDigestCache(default_cache_dir())))
             # every tracker LMCache creates is keyed before LMCache uses it
             lmcache_adapters.key_new_trackers(self, self.kvp_scheduler.key_tracker)
+            if not engine_rpc.watch_weight_changes(self.kvp_scheduler.weights_changed):
+                self.kvp_scheduler.weights_changed("(vLLM's EngineCore.collective_rpc cannot "
+                                                   "be watched)")
         else:
             self.kvp_worker = WorkerSide(self.worker_adapter, options, self.kvp_stats,
                                          attach_late=attach_late)
@@ -207,6 +212,7 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         """LMCache's metadata, less its stores while the heartbeat says the server is down."""
         metadata: KVConnectorMetadata = super().build_connector_meta(scheduler_output)
         self._scheduler().drop_stores_while_down(metadata, bool(self.lazy_offload))
+        self._scheduler().drop_stores_after_weight_change(metadata)
         return metadata
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -223,6 +229,7 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         if self.kvp_scheduler is not None:
+            engine_rpc.stop_watching(self.kvp_scheduler.weights_changed)
             self.kvp_scheduler.close()
         super().shutdown()
 

@@ -38,15 +38,20 @@ FAILED_LOAD_METRIC = "vllm:kvpersist_failed_loads_total"
 DROPPED_STORES = "kvpersist_dropped_stores"
 DROPPED_STORE_METRIC = "vllm:kvpersist_dropped_stores_total"
 #: server_down: the scheduler's heartbeat said the server is down when the store was due.
-DROPPED_STORE_REASONS = ("server_down",)
+#: weights_changed: the engine's weights may have changed at run time (a collective RPC).
+DROPPED_STORE_REASONS = ("server_down", "weights_changed")
 UNCACHED = "kvpersist_uncached_requests"
 UNCACHED_METRIC = "vllm:kvpersist_uncached_requests_total"
 #: prompt_embeds: the request carries prompt embeddings (no content key); lora_not_local,
 #: lora_unreadable, lora_changed: its LoRA adapter cannot be keyed by content
 #: (:mod:`kvpersist.serving.connector.request_keys`); mm_no_content: a multimodal item reached
 #: the scheduler without inputs kvpersist can digest (vLLM's shm processor cache).
+#: weights_changed: the engine's weights may have changed at run time; lora_id_reused: one
+#: adapter id named two adapters; lora_reloaded: the adapter was reloaded in place;
+#: lora_digest_pending: a large adapter is still being digested off the scheduler's thread.
 UNCACHED_REASONS = ("prompt_embeds", "lora_not_local", "lora_unreadable", "lora_changed",
-                    "mm_no_content")
+                    "mm_no_content", "weights_changed", "lora_id_reused", "lora_reloaded",
+                    "lora_digest_pending")
 #: What each labelled counter of these stats is: data key -> (metric, reasons, help text).
 COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     BYPASSES: (BYPASS_METRIC, BYPASS_REASONS,
@@ -59,11 +64,13 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
                    "unhealthy_at_submit (never sent: the heartbeat said unhealthy)."),
     DROPPED_STORES: (DROPPED_STORE_METRIC, DROPPED_STORE_REASONS,
                      "Stores the scheduler did not send (those chunks are not cached), by "
-                     "reason: server_down (the heartbeat said the server is down)."),
+                     "reason: server_down (the heartbeat said the server is down), "
+                     "weights_changed (the engine's weights may have changed at run time)."),
     UNCACHED: (UNCACHED_METRIC, UNCACHED_REASONS,
                "Requests kvpersist neither looked up nor stored because their KV cannot be "
                "keyed exactly, by reason: prompt_embeds, lora_not_local, lora_unreadable, "
-               "lora_changed, mm_no_content."),
+               "lora_changed, mm_no_content, weights_changed, lora_id_reused, "
+               "lora_reloaded, lora_digest_pending."),
 }
 
 

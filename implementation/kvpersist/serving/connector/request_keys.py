@@ -30,11 +30,17 @@ Invariants
 * An adapter is keyed by its content: sha256 over every file of its folder (relative path and
   bytes) with the engine's LoRA settings that change the adapter's computation; never by its
   name or id alone.
-* The digest is taken once per engine process and adapter; when the adapter's files change
-  afterwards, the engine may still run the weights it loaded before, so that adapter's requests
-  are neither looked up nor stored from then on (:class:`Uncacheable`).  An adapter that is not
-  a local folder, and a request with prompt embeddings (no content key exists for them), are
-  uncacheable too.
+* The digest is taken once per engine process and adapter, off the scheduler's thread for an
+  adapter larger than :data:`INLINE_DIGEST_BYTES` (its requests are uncached until it is
+  ready); each file's digest is remembered per file version, so a restart reads nothing again.
+  When the adapter's files change afterwards, the engine may still run the weights it loaded
+  before, so that adapter's requests are neither looked up nor stored from then on
+  (:class:`Uncacheable`).  An adapter that is not a local folder, and a request with prompt
+  embeddings (no content key exists for them), are uncacheable too.
+* vLLM's workers keep adapters by their integer id.  An id that names a second adapter (name
+  or folder) and an adapter reloaded in place (``load_inplace``) may run weights no digest
+  describes: that id's requests are not cached from then on, and requests keyed before store
+  nothing more (``on_adapter_void``).
 """
 
 from __future__ import annotations
@@ -45,12 +51,14 @@ import logging
 import os
 import re
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...identity.adapter_records import TAG_LEN
 from ...identity.engine_fields import ENGINE_FIELDS, PerRequest
+from ...identity.weights_digest import FileDigestCache, weights_digest
 
 logger = logging.getLogger("vllm.kvpersist.connector")
 
@@ -63,8 +71,19 @@ MM_TAG = "mm"
 #: A derived salt with an adapter: ``kvpk-lora<first TAG_LEN hex of its digest>-<32 hex>``; the
 #: one statement of that format (``kvp-admin report`` matches file names with it).
 ADAPTER_SALT = re.compile(re.escape(RESERVED_PREFIX) + rf"lora([0-9a-f]{{{TAG_LEN}}})-")
-_DOMAIN = "kvpersist-request-key-v1"
-_READ_BLOCK = 1 << 20
+_DOMAIN = "kvpersist-request-key-v2"
+#: Adapters up to this size are digested on the scheduler's thread (about 20 ms at the
+#: 1.8 GB/s sha256 runs here, and nothing at all once their files' digests are cached).
+INLINE_DIGEST_BYTES = 32 << 20
+#: Why an adapter id's requests are no longer cached.
+VOID_DETAILS = {
+    "lora_id_reused": "LoRA adapter id {id} named another adapter before ({name!r} now): vLLM "
+                      "keeps adapters by id, so its requests are not cached until the engine "
+                      "restarts",
+    "lora_reloaded": "LoRA adapter {name!r} (id {id}) was reloaded in place: requests keyed "
+                     "before store nothing more, and its requests are not cached until the "
+                     "engine restarts",
+}
 
 
 @dataclass(frozen=True)
@@ -153,48 +172,64 @@ def adapter_tag_of_salt(salt: str) -> str | None:
     return match.group(1) if match else None
 
 
-def folder_signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
-    """(relative path, size, mtime in ns) of every regular file below ``folder``, sorted."""
+def folder_signature(folder: Path) -> tuple[tuple[str, int, int, int], ...]:
+    """(relative path, size, mtime and ctime in ns) of every regular file below ``folder``,
+    sorted."""
     rows = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames.sort()
         for name in filenames:
             path = Path(dirpath) / name
             st = path.stat()
-            rows.append((str(path.relative_to(folder)), st.st_size, st.st_mtime_ns))
+            rows.append((str(path.relative_to(folder)), st.st_size, st.st_mtime_ns,
+                         st.st_ctime_ns))
     return tuple(sorted(rows))
 
 
-def adapter_digest(folder: Path, settings: Mapping[str, Any]) -> str:
-    """sha256 over the adapter folder's files (relative path, length, bytes) and the engine's
-    LoRA ``settings`` that change the adapter's computation."""
+def adapter_digest(folder: Path, settings: Mapping[str, Any],
+                   digests: FileDigestCache | None = None) -> str:
+    """sha256 over the adapter folder's content (its weights digest: every file's relative
+    path, size and bytes, :mod:`kvpersist.identity.weights_digest`) and the engine's LoRA
+    ``settings`` that change the adapter's computation."""
     h = hashlib.sha256()
     h.update(json.dumps([_DOMAIN, dict(settings)], sort_keys=True, default=str).encode())
-    for rel, size, _ in folder_signature(folder):
-        h.update(f"\0{rel}\0{size}\0".encode())
-        with open(folder / rel, "rb") as fh:
-            while block := fh.read(_READ_BLOCK):
-                h.update(block)
+    h.update(weights_digest(folder, digests if digests is not None else FileDigestCache(None))
+             .encode("ascii"))
     return h.hexdigest()
 
 
 @dataclass
 class _Adapter:
     digest: str
-    signature: tuple[tuple[str, int, int], ...]
+    signature: tuple[tuple[str, int, int, int], ...]
     changed: bool = False
+
+
+_Ident = tuple[int, str, str]
 
 
 class RequestKeys:
     """The salts of one engine's requests (see module invariants); lives in the scheduler."""
 
     def __init__(self, lora_settings: Mapping[str, Any] | None,
-                 on_keyed: Callable[[str, str, str], None] | None = None) -> None:
-        """``on_keyed(digest, name, folder)`` runs once per adapter this engine keys."""
+                 on_keyed: Callable[[str, str, str], None] | None = None,
+                 digests: FileDigestCache | None = None,
+                 inline_bytes: int = INLINE_DIGEST_BYTES) -> None:
+        """``on_keyed(digest, name, folder)`` runs once per adapter this engine keys.
+        ``digests`` remembers file digests across restarts (none: every start reads the
+        adapters); an adapter larger than ``inline_bytes`` is digested on a thread of its own."""
         self._lora_settings = dict(lora_settings or {})
         self._on_keyed = on_keyed
-        self._adapters: dict[tuple[int, str, str], _Adapter] = {}
-        self._logged: set[tuple[int, str, str]] = set()
+        self._digests = digests
+        self._inline_bytes = inline_bytes
+        self._adapters: dict[_Ident, _Adapter] = {}
+        self._pending: dict[_Ident, Future[str]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._by_id: dict[int, _Ident] = {}
+        self._void_ids: dict[int, str] = {}
+        self._logged: set[tuple[_Ident, str]] = set()
+        #: Called with an adapter id whose earlier requests must store nothing more.
+        self.on_adapter_void: Callable[[int], None] | None = None
 
     def salt(self, request: Any) -> str | Uncacheable:
         """The salt LMCache must key ``request`` with, or why it cannot be cached."""
@@ -213,10 +248,27 @@ class RequestKeys:
             return digest
         return request_salt(user_salt, digest, content)
 
+    def _void(self, ident: _Ident, reason: str) -> None:
+        """Adapter id ``ident[0]`` may now run other weights than any digest says: its
+        requests are not cached from now on, and those keyed before store nothing more."""
+        if ident[0] not in self._void_ids:
+            self._void_ids[ident[0]] = reason
+            if self.on_adapter_void is not None:
+                self.on_adapter_void(ident[0])
+
     def adapter_digest(self, lora: Any) -> str | Uncacheable:
         """The content digest of ``lora`` (vLLM's ``LoRARequest``), taken once per process."""
         ident = (int(getattr(lora, "lora_int_id", 0)), str(getattr(lora, "lora_name", "")),
                  str(getattr(lora, "lora_path", "") or ""))
+        if self._by_id.setdefault(ident[0], ident) != ident:
+            # vLLM's workers cache an adapter by its id: the second folder may never be loaded
+            self._void(ident, "lora_id_reused")
+        if getattr(lora, "load_inplace", False):
+            self._void(ident, "lora_reloaded")
+        void = self._void_ids.get(ident[0])
+        if void is not None:
+            return self._uncacheable(ident, void, VOID_DETAILS[void].format(name=ident[1],
+                                                                            id=ident[0]))
         folder = Path(ident[2])
         if not ident[2] or not folder.is_dir():
             return self._uncacheable(ident, "lora_not_local",
@@ -226,8 +278,11 @@ class RequestKeys:
             signature = folder_signature(folder)
             known = self._adapters.get(ident)
             if known is None:
-                known = _Adapter(adapter_digest(folder, self._lora_settings), signature)
-                self._adapters[ident] = known
+                digest = self._digest_of(ident, folder, signature)
+                if digest is None:
+                    return Uncacheable("lora_digest_pending", f"LoRA adapter {ident[1]!r} is "
+                                       "being digested off the scheduler's thread")
+                known = self._adapters[ident] = _Adapter(digest, signature)
                 logger.info("kvpersist: LoRA adapter %r (%s) keyed by content digest %s",
                             ident[1], folder, known.digest)
                 if self._on_keyed is not None:
@@ -244,10 +299,32 @@ class RequestKeys:
                                      "engine restarts")
         return known.digest
 
-    def _uncacheable(self, ident: tuple[int, str, str], reason: str, detail: str
-                     ) -> Uncacheable:
-        if ident not in self._logged:
-            self._logged.add(ident)
+    def _digest_of(self, ident: _Ident, folder: Path,
+                   signature: tuple[tuple[str, int, int, int], ...]) -> str | None:
+        """The adapter's digest now (a small adapter, or one whose files' digests are all
+        cached), or None while a thread computes it (a large one: the scheduler's thread never
+        reads it).  Raises OSError as reading does."""
+        pending = self._pending.get(ident)
+        if pending is None:
+            if (sum(row[1] for row in signature) <= self._inline_bytes
+                    or (self._digests is not None and self._digests.knows(folder))):
+                return adapter_digest(folder, self._lora_settings, self._digests)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvp-lora-digest")
+            self._pending[ident] = self._pool.submit(adapter_digest, folder,
+                                                     self._lora_settings, self._digests)
+            return None
+        if not pending.done():
+            return None
+        del self._pending[ident]
+        digest = pending.result()  # OSError propagates as from an inline digest
+        if folder_signature(folder) != signature:
+            raise OSError("the adapter's files changed while they were digested")
+        return digest
+
+    def _uncacheable(self, ident: _Ident, reason: str, detail: str) -> Uncacheable:
+        if (ident, reason) not in self._logged:
+            self._logged.add((ident, reason))
             logger.warning("kvpersist: %s", detail)
         return Uncacheable(reason, detail)
 

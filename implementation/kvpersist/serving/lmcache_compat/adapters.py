@@ -216,6 +216,11 @@ def key_new_trackers(connector: Any, key: Callable[[Any, Any], None]) -> None:
     connector._get_or_create_request_tracker = keyed
 
 
+def trackers(connector: Any) -> list[Any]:
+    """Every request tracker ``connector`` holds now."""
+    return list(require(connector, "request_trackers").values())
+
+
 def tracker_of(connector: Any, request: Any) -> Any:
     """LMCache's tracker of ``request`` (created, and keyed by kvpersist, if new)."""
     return connector._get_or_create_request_tracker(request)

@@ -21,6 +21,11 @@ Invariants
   health check answers 0 without asking the server, so a 0 given while unhealthy (the beat was
   missed between kvpersist's check and LMCache's) is not an answer; the request waits, under the
   deadline, and asks again.
+* **Weights that change at run time end caching at that moment.**  Before any collective RPC
+  that may change the weights runs (:mod:`kvpersist.serving.lmcache_compat.engine_rpc`), every
+  tracked request stops storing, no lookup is made from then on (a request already keyed
+  bypasses), and the step's stores are dropped, counted as ``weights_changed``; the namespace
+  names weights the engine no longer runs, until it restarts.
 * Every request LMCache tracks is keyed before LMCache uses its tracker: its salt is the one
   :mod:`kvpersist.serving.connector.request_keys` derives (the LoRA adapter's content folded in), or, when
   its KV cannot be keyed exactly, it is neither looked up nor stored (``max_offload_tokens`` 0).
@@ -47,6 +52,8 @@ from .lookup_deadline import LookupDeadline, ServerProgressProbe
 logger = logging.getLogger("vllm.kvpersist.connector")
 
 LookupResult = tuple[int | None, bool]
+#: The reason label of requests and stores given up because the weights may have changed.
+WEIGHTS_CHANGED = "weights_changed"
 
 
 
@@ -86,6 +93,11 @@ class SchedulerSide:
         self._server_gone = GoneCache(options.http_url)
         self._probe: ServerProgressProbe | None = None
         self._watch: RegistrationWatch | None = None
+        #: Why the weights may have changed since the engine started (None: they have not).
+        self.weights_changed_by: str | None = None
+        #: The adapter id of each tracked request that has one.
+        self._adapter_of: dict[str, int] = {}
+        self.keys.on_adapter_void = self.adapter_void
         if options.http_url:
             status_url = options.http_url.rstrip("/") + server_status.PATH
             self._probe = ServerProgressProbe(status_url, self.deadline)
@@ -104,6 +116,10 @@ class SchedulerSide:
         rid = request.request_id
         tracker = lmcache_adapters.tracker_of(self._connector, request)  # keyed (key_tracker)
         uncacheable = lmcache_adapters.tracker_mark(tracker)
+        if self.weights_changed_by is not None and not isinstance(uncacheable, Uncacheable):
+            if self._skip(request):  # keyed under the old weights: no lookup now
+                self._stats.record_uncached(WEIGHTS_CHANGED)
+            return 0, False
         if isinstance(uncacheable, Uncacheable):
             if lmcache_adapters.is_fresh(tracker):
                 self._stats.record_uncached(uncacheable.reason)
@@ -143,15 +159,53 @@ class SchedulerSide:
         lookup and no store at all (see module invariants).  Once per tracker."""
         if lmcache_adapters.tracker_mark(tracker) is not None:
             return
-        key = self.keys.salt(request)
+        key = (self.keys.salt(request) if self.weights_changed_by is None
+               else self._weights_uncacheable())
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            self._adapter_of[request.request_id] = int(getattr(lora, "lora_int_id", 0))
         if isinstance(key, Uncacheable):
             lmcache_adapters.store_nothing(tracker)
         else:
             lmcache_adapters.set_tracker_salt(tracker, key)
         lmcache_adapters.mark_tracker(tracker, key)
 
+    def _weights_uncacheable(self) -> Uncacheable:
+        return Uncacheable(WEIGHTS_CHANGED, f"the engine's weights may have changed at run time "
+                           f"({self.weights_changed_by}): nothing is cached until it restarts")
+
+    def weights_changed(self, how: str) -> None:
+        """The engine is about to run ``how``, which may change its weights: from now on no
+        request is looked up or stored (see module invariants)."""
+        if self.weights_changed_by is None:
+            self.weights_changed_by = how
+            logger.error("kvpersist: collective RPC %r may change the engine's weights: no KV "
+                         "is looked up or stored from now until vLLM restarts (the namespace "
+                         "names the weights it started with)", how)
+        for tracker in lmcache_adapters.trackers(self._connector):
+            lmcache_adapters.store_nothing(tracker)
+
+    def adapter_void(self, adapter_id: int) -> None:
+        """Adapter ``adapter_id`` may now run weights no digest describes: requests keyed
+        with it before store nothing more."""
+        for tracker in lmcache_adapters.trackers(self._connector):
+            if self._adapter_of.get(tracker.request_id) == adapter_id:
+                lmcache_adapters.store_nothing(tracker)
+
+    def drop_stores_after_weight_change(self, metadata: Any) -> None:
+        """Remove the step's stores once the weights may have changed (belt and braces: the
+        trackers already store nothing)."""
+        if self.weights_changed_by is None:
+            return
+        requests = getattr(metadata, "requests", [])
+        kept = [r for r in requests if getattr(r, "direction", None) != "STORE"]
+        if len(kept) != len(requests):
+            self._stats.record_dropped_stores(WEIGHTS_CHANGED, len(requests) - len(kept))
+            metadata.requests = kept
+
     def finished(self, request: Any) -> None:
         self.deadline.end(request.request_id)
+        self._adapter_of.pop(request.request_id, None)
 
     def drop_stores_while_down(self, metadata: Any, lazy_offload: bool) -> None:
         """Remove the step's stores from ``metadata`` while the heartbeat says the server is
