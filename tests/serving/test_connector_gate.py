@@ -260,3 +260,33 @@ def test_an_engine_setting_nobody_classified_closes_the_gate(
         monkeypatch.undo()
         classified.unknown_fields_reason.cache_clear()
     assert KvPersistConnector(cfg, KVConnectorRole.SCHEDULER).caching  # the control
+
+
+def test_attention_that_is_not_causal_closes_the_gate(tiny_model: Path) -> None:
+    from types import SimpleNamespace
+
+    from kvpersist.serving.connector.gate import non_causal_prefill
+
+    cfg = engine_config(tiny_model, TINY_PINS)
+    assert non_causal_prefill(cfg) is None
+    bidirectional = SimpleNamespace(model_config=SimpleNamespace(
+        hf_text_config=SimpleNamespace(is_causal=False)))
+    assert "not causal" in (non_causal_prefill(bidirectional) or "")
+
+
+def test_engine_driven_transfer_with_several_kv_cache_groups_is_refused(tiny_model: Path,
+                                                                        ) -> None:
+    from types import SimpleNamespace
+
+    from kvpersist.serving.connector.gate import engine_driven_with_groups
+
+    two = SimpleNamespace(kv_cache_groups=[object(), object()])
+    one = SimpleNamespace(kv_cache_groups=[object()])
+    engine = engine_config(tiny_model, TINY_PINS,
+                           extra={"lmcache.mp.mp_transfer_mode": "engine_driven"})
+    reason = engine_driven_with_groups(engine, two, environ={})
+    assert reason is not None and "engine_driven" in reason and "2" in reason
+    assert engine_driven_with_groups(engine, one, environ={}) is None
+    driven = engine_config(tiny_model, TINY_PINS,
+                           extra={"lmcache.mp.mp_transfer_mode": "lmcache_driven"})
+    assert engine_driven_with_groups(driven, two, environ={}) is None

@@ -255,3 +255,12 @@ def test_a_large_adapter_is_digested_off_the_scheduler_s_thread(tmp_path: Path) 
     restarted = RequestKeys(None, digests=FileDigestCache(tmp_path / "digests"),
                             inline_bytes=1024)
     assert restarted.salt(request(lora_request(folder))) == salt
+
+
+def test_images_of_a_model_that_attends_bidirectionally_over_them_are_not_cached() -> None:
+    import torch
+
+    verdict = RequestKeys(None, mm_bidirectional=True).salt(
+        image_request(torch.zeros(2, 2), "x"))
+    assert isinstance(verdict, Uncacheable) and verdict.reason == "mm_bidirectional"
+    assert RequestKeys(None, mm_bidirectional=True).salt(request()) == ""  # text: cached

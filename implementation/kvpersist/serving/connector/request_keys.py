@@ -214,10 +214,15 @@ class RequestKeys:
     def __init__(self, lora_settings: Mapping[str, Any] | None,
                  on_keyed: Callable[[str, str, str], None] | None = None,
                  digests: FileDigestCache | None = None,
-                 inline_bytes: int = INLINE_DIGEST_BYTES) -> None:
+                 inline_bytes: int = INLINE_DIGEST_BYTES,
+                 mm_bidirectional: bool = False) -> None:
         """``on_keyed(digest, name, folder)`` runs once per adapter this engine keys.
         ``digests`` remembers file digests across restarts (none: every start reads the
-        adapters); an adapter larger than ``inline_bytes`` is digested on a thread of its own."""
+        adapters); an adapter larger than ``inline_bytes`` is digested on a thread of its own.
+        ``mm_bidirectional``: the model attends bidirectionally over multimodal items (vLLM's
+        ``is_mm_prefix_lm``), so a chunk's KV can depend on tokens after it: requests with
+        items are not cached."""
+        self._mm_bidirectional = mm_bidirectional
         self._lora_settings = dict(lora_settings or {})
         self._on_keyed = on_keyed
         self._digests = digests
@@ -237,7 +242,12 @@ class RequestKeys:
             return Uncacheable("prompt_embeds", "a request with prompt embeddings has no "
                                "content key; it is neither looked up nor stored")
         user_salt = getattr(request, "cache_salt", None) or ""
-        content = mm_content_digest(getattr(request, "mm_features", None))
+        features = getattr(request, "mm_features", None)
+        if features and self._mm_bidirectional:
+            return Uncacheable("mm_bidirectional", "the model attends bidirectionally over "
+                               "multimodal items: a chunk's KV depends on tokens after it, so "
+                               "requests with items are neither looked up nor stored")
+        content = mm_content_digest(features)
         if isinstance(content, Uncacheable):
             return content
         lora = getattr(request, "lora_request", None)
