@@ -183,3 +183,46 @@ def test_status_readers_accept_any_shape() -> None:
         assert status.progress_token(junk) == (0.0,) * 5
         assert status.kvpersist_adapters(junk) == []
         assert status.registered_namespaces(junk) == {}
+
+
+def test_the_server_serves_one_client_s_stores_and_loads_in_the_order_sent() -> None:
+    """What ``store_order`` pins, checked on LMCache's own objects: its lmcache_driven STORE
+    and RETRIEVE handlers ask for client affinity, and its affinity pool runs one client's
+    tasks one after the other, in the order submitted, even when the first is slow.  (LMCache
+    keeps one store future per request, so a later store settling must mean every earlier one
+    has.)  Fails if LMCache starts serving a client's requests concurrently or out of order."""
+    import threading
+    import time
+
+    from lmcache.v1.multiprocess import request_handler
+    from lmcache.v1.multiprocess.affinity_pool import AffinityThreadPool
+    from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (
+        LMCacheDrivenTransferModule,
+    )
+
+    for name in ("store", "retrieve"):
+        options = getattr(getattr(LMCacheDrivenTransferModule, name),
+                          request_handler._HANDLER_OPTIONS_ATTR)
+        assert options.requires_client_affinity, name
+        assert options.handler_type is request_handler.HandlerType.BLOCKING, name
+
+    pool = AffinityThreadPool(max_workers=4, thread_name_prefix="kvp-contract")
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def task(name: str, seconds: float) -> str:
+        time.sleep(seconds)
+        with lock:
+            done.append(name)
+        return name
+
+    client = hash(b"client-identity")
+    first = pool.submit(task, "first store (slow)", 0.3, affinity_key=client)
+    second = pool.submit(task, "second store", 0.0, affinity_key=client)
+    other = pool.submit(task, "another client", 0.0, affinity_key=hash(b"other"))
+    assert other.result(timeout=10) == "another client"
+    assert not second.done()  # not served while the first of its client still runs
+    assert second.result(timeout=10) == "second store"
+    assert first.done()
+    assert done.index("first store (slow)") < done.index("second store")
+    pool.shutdown()

@@ -56,6 +56,8 @@ _EVICTION = "lmcache.v1.distributed.storage_controllers.eviction_controller"
 _LRU = "lmcache.v1.distributed.eviction_policy.lru"
 _OBJECT_GROUP = "lmcache.v1.multiprocess.object_group_transfer"
 _CPU_CONTEXT = "lmcache.v1.platform.devices.cpu.cache_context"
+_ZMQ_MQ = "lmcache.v1.multiprocess.transport.zmq_impl.mq"
+_AFFINITY = "lmcache.v1.multiprocess.affinity_pool"
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,24 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
              "b333d3705d63637d"),
             (_WORKER_TRANSFER, "LMCacheDrivenTransferContext.flush_inflight_stores",
              "ca66cad677604592"),
+        )),
+    Feature(
+        "store_order",
+        purpose="LMCache keeps one store future per request (a later store of the same request "
+                "replaces the earlier one), and vLLM frees a finished request's blocks when "
+                "that future settles; this is exact only because the server serves one "
+                "client's stores and loads in the order sent (its affinity pool: one thread "
+                "per client, FIFO)",
+        if_off="the gate closes: a finished request's blocks could be reused while an earlier "
+               "store of it is still being read",
+        unsafe_without=True,
+        sources=(
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter.submit_store_request", "cfff5d3d073d6c77"),
+            (_ZMQ_MQ, "MessageQueueServer._call_blocking_handler", "57f307a08ec2efb3"),
+            (_AFFINITY, "AffinityThreadPool.submit", "339a76b8426049c7"),
+            (_AFFINITY, "AffinityThreadPool._worker", "28a34f21c544fe6d"),
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.store", "de6ad50d271d1894"),
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.retrieve", "8929e879f367e932"),
         )),
     Feature(
         "request_keys",
@@ -299,8 +319,8 @@ def available(name: str) -> bool:
     return not changed
 
 
-def unsafe_reasons(names: tuple[str, ...] = ("load_fence", "store_fence", "lookup_control",
-                                             "request_keys")) -> list[str]:
+def unsafe_reasons(names: tuple[str, ...] = ("load_fence", "store_fence", "store_order",
+                                             "lookup_control", "request_keys")) -> list[str]:
     """Why caching must not start in a vLLM process: each exactness feature that is off."""
     return [f"kvpersist's {n} does not match the installed LMCache/vLLM "
             f"({FEATURES[n].if_off})" for n in names
