@@ -64,18 +64,6 @@ def test_lmcache_options_close_the_gate_only_when_unkeyable(extra: dict[str, obj
     assert bool(closing_extra_config_reasons(extra)) is closes
 
 
-@pytest.mark.integration
-def test_the_gate_closes_for_a_closing_variable(tiny_model: Path) -> None:
-    from kvpersist.serving.connector.gate import Closed, decide
-    from kvpersist.testing.helpers import TINY_PINS
-    from tests.serving.test_connector_gate import engine_config
-
-    cfg = engine_config(tiny_model, TINY_PINS)
-    decision = decide(cfg, environ={"VLLM_MLA_DISABLE": "1"}, probe=lambda _: True)
-    assert isinstance(decision, Closed) and "VLLM_MLA_DISABLE" in decision.reason
-    assert not isinstance(decide(cfg, environ={}, probe=lambda _: True), Closed)
-
-
 def test_a_closing_variable_at_its_default_changes_nothing() -> None:
     assert closing_env_reasons({"VLLM_MLA_DISABLE": "0", "VLLM_CPU_INT4_W4A8": "1",
                                 "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}) == []

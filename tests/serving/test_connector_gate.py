@@ -290,3 +290,11 @@ def test_engine_driven_transfer_with_several_kv_cache_groups_is_refused(tiny_mod
     driven = engine_config(tiny_model, TINY_PINS,
                            extra={"lmcache.mp.mp_transfer_mode": "lmcache_driven"})
     assert engine_driven_with_groups(driven, two, environ={}) is None
+
+
+def test_a_closing_vllm_environment_variable_closes_the_gate_by_name(tiny_model: Path) -> None:
+    cfg = engine_config(tiny_model, TINY_PINS)
+    decision = decide(cfg, environ={"VLLM_MLA_DISABLE": "1"}, probe=lambda _: True)
+    assert isinstance(decision, Closed) and "VLLM_MLA_DISABLE" in decision.reason
+    assert isinstance(decide(cfg, environ={"VLLM_MLA_DISABLE": "0"}, probe=lambda _: True),
+                      CacheOn)
