@@ -187,7 +187,7 @@ def status_server() -> Iterator[tuple[str, dict[str, Any]]]:
 def test_the_probe_sees_progress_and_its_absence(status_server: tuple[str, dict[str, Any]]
                                                  ) -> None:
     url, state = status_server
-    deadline = LookupDeadline(stall_s=0.8, max_s=60)
+    deadline = LookupDeadline(stall_s=0.8, max_s=60, blind_s=3.0)
     probe = ServerProgressProbe(url, deadline, interval_s=0.1, timeout_s=0.5)
     try:
         deadline.begin("r")
@@ -201,11 +201,16 @@ def test_the_probe_sees_progress_and_its_absence(status_server: tuple[str, dict[
                    interval=0.05, message="frozen counters were never judged stalled")
         deadline.end("r")
         deadline.begin("s")
-        state["answer"] = False  # a hung server makes no progress either
+        state["answer"] = False  # a server that answers nothing: its progress is unknown
         state["read_bytes"] += 1
-        # every probe times out (0.5 s): stalls are judged up to the probe's latest look, so
-        # the verdict comes once a timed-out look ends past stall_s, not at a fixed time
+        # every probe times out (0.5 s): an unanswered poll is no look, so nothing is judged
+        # while the probe is blind (a CPU-starved server reading its disk answers late) ...
+        began = time.monotonic()
+        time.sleep(1.5)
+        assert deadline.verdict("s", healthy=True) is None
+        # ... until blind_s (3 s) passed without an answer: then judged up to now, stalled
         wait_until(lambda: "stalled" in str(deadline.verdict("s", healthy=True)), timeout=10,
                    interval=0.05, message="a hung server was never judged stalled")
+        assert time.monotonic() - began >= 3.0
     finally:
         probe.close()

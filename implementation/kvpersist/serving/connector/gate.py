@@ -163,6 +163,37 @@ def engine_driven_with_groups(vllm_config: Any, kv_cache_config: Any,
     return None
 
 
+#: KV-cache specs whose manager frees blocks while the request still runs (out of the window).
+WINDOW_SPECS = ("SlidingWindowSpec", "ChunkedLocalAttentionSpec")
+
+
+def window_frees_unfenced(vllm_config: Any, kv_cache_config: Any,
+                          environ: Mapping[str, str] | None = None) -> str | None:
+    """Why this engine's stores could read blocks vLLM already freed, or None.
+
+    vLLM frees the blocks of sliding-window and chunked-local groups that fall out of the window
+    while the request runs (``allocate_slots``), outside the connector's delayed free; in
+    ``lmcache_driven`` mode the server reads a store's blocks after the step returned, so a
+    reused block could be published under a valid checksum.  Refused unless the transfer
+    copies before the step returns (``engine_driven``, which serves one group only).  With
+    vLLM's hybrid manager off, mixed models get full-attention groups (nothing is freed early);
+    a model whose every layer has a window keeps its window group either way."""
+    env = os.environ if environ is None else environ
+    mode = extra_config(vllm_config).get("lmcache.mp.mp_transfer_mode",
+                                         env.get("LMCACHE_MP_TRANSFER_MODE"))
+    if mode == "engine_driven":
+        return None
+    windows = sorted({type(group.kv_cache_spec).__name__
+                      for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()
+                      if type(group.kv_cache_spec).__name__ in WINDOW_SPECS})
+    if not windows:
+        return None
+    return (f"the model's KV-cache groups include {', '.join(windows)}: vLLM frees their blocks "
+            f"out of the window while a store in {mode or 'auto'} mode may still read them, "
+            "which kvpersist does not fence yet; serve it with KVP_MP_TRANSFER_MODE="
+            "engine_driven (one group) or uncached")
+
+
 def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
            probe: Callable[[ConnectorOptions], bool | str] = server_answers) -> GateDecision:
     """Open or close the gate for one connector instance (see module invariants)."""

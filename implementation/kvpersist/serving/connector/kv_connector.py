@@ -80,6 +80,7 @@ from .gate import (
     decide,
     engine_driven_with_groups,
     record_identity,
+    window_frees_unfenced,
 )
 from .metrics import KvPersistConnectorStats, KvPersistPromMetrics
 from .request_keys import RequestKeys, lora_settings
@@ -257,9 +258,10 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         decision = decide(vllm_config)
         if isinstance(decision, (CacheOn, AttachLate)):
             unsafe = lmcache_pins.unsafe_reasons()
-            grouped = engine_driven_with_groups(vllm_config, kv_cache_config)
-            if grouped is not None:
-                unsafe.append(grouped)
+            for refusal in (engine_driven_with_groups(vllm_config, kv_cache_config),
+                            window_frees_unfenced(vllm_config, kv_cache_config)):
+                if refusal is not None:
+                    unsafe.append(refusal)
             unknown = engine_config.unknown_fields_reason()
             if unknown is not None:
                 unsafe.append(unknown)

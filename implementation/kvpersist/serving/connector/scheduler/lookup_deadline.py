@@ -20,7 +20,12 @@ Invariants
   :class:`ServerProgressProbe` every ``interval_s`` while lookups are pending, off the
   scheduler's thread.  It is server-wide: another request's load counts, since a server that
   moves any load is not stalled.
-* A server that does not answer the probe makes no progress.
+* A poll the server does not answer in time is no look: the server's progress is unknown, not
+  nil.  A server starved of CPU by its engine's polling processes answers ``/status`` late
+  while its readers keep reading (seen in a clean-clone CI run: "no progress for 5.0s" while the
+  server had read 81 MiB in the restore's 20 s); the stall rule judges only what answers showed.
+  A server that answers nothing for ``blind_s`` seconds is judged up to now again, and a dead
+  one is the heartbeat's and the socket's business.
 * With a probe, "no progress" and "unhealthy without progress" are measured up to the probe's
   latest look, not up to now: a vLLM process that was itself stalled (CPU starvation, page
   faults after a page-cache drop, a GIL held for seconds) cannot look, and its own pause is not
@@ -91,8 +96,8 @@ class LookupDeadline:
             self._progress_at = self._clock()
 
     def looked(self) -> None:
-        """The probe completed a look at the server (answered or not), or had nothing to look
-        for; from the first call on, stalls are judged up to the latest look."""
+        """The probe saw the server's counters (an answered poll), or had nothing to look for;
+        from the first call on, stalls are judged up to the latest look."""
         with self._lock:
             self._looked_at = self._clock()
 
@@ -163,12 +168,13 @@ class ServerProgressProbe:
                 continue
             self.polls += 1
             status = self._fetch(self.status_url, self.timeout_s)
-            if status is not None:
-                self.answers += 1
-                token = progress_token(status)
-                if self._last is not None and token != self._last:
-                    self.deadline.progressed()
-                self._last = token
+            if status is None:
+                continue  # no answer: no look (see module invariants)
+            self.answers += 1
+            token = progress_token(status)
+            if self._last is not None and token != self._last:
+                self.deadline.progressed()
+            self._last = token
             self.deadline.looked()
 
     def describe(self) -> str:
