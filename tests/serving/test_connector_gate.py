@@ -298,3 +298,66 @@ def test_a_closing_vllm_environment_variable_closes_the_gate_by_name(tiny_model:
     assert isinstance(decision, Closed) and "VLLM_MLA_DISABLE" in decision.reason
     assert isinstance(decide(cfg, environ={"VLLM_MLA_DISABLE": "0"}, probe=lambda _: True),
                       CacheOn)
+
+
+def test_a_registration_the_server_refuses_or_answers_late_closes_the_gate_not_vllm(
+        tiny_model: Path) -> None:
+    """Our logic with a stand-in for LMCache's connector (the server's refusal, or LMCache's
+    ``mq_timeout`` expiring, reaches kvpersist as an exception from its registration)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpersist.serving.connector.kv_connector import DisabledKvConnector, KvPersistConnector
+
+    class RefusingInner:
+        shut = False
+
+        def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+            raise ConnectionError("no reply to register_kv_caches within 15.0s")
+
+        def shutdown(self) -> None:
+            RefusingInner.shut = True
+
+    cfg = engine_config(tiny_model, TINY_PINS)
+    connector = object.__new__(KvPersistConnector)
+    connector._kvp_args = (cfg, KVConnectorRole.WORKER, None)
+    connector.inner = RefusingInner()  # type: ignore[assignment]
+    assert connector.caching
+    connector.register_kv_caches({})  # no exception reaches vLLM
+    assert isinstance(connector.inner, DisabledKvConnector) and RefusingInner.shut
+    state = connector.get_handshake_metadata()
+    assert state is not None and not state.caching
+    assert "did not register" in str(state.reason) and "15.0s" in str(state.reason)
+
+
+def test_an_mla_model_is_refused_by_name_and_the_pins_writer_derives_its_geometry(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """The engine's MLA geometry (latent kv_lora_rank + qk_rope_head_dim) is what the pins
+    writer derives, so no pins mismatch invites pinning it by hand; the gate then refuses MLA
+    by name (its restored latent KV is not exact yet)."""
+    import json
+    import shutil
+
+    from kvpersist.identity.sources import from_model_folder
+
+    folder = tmp_path / "deepseek-v2-tiny"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tiny_model / name, folder / name)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "torch_dtype": "float32", "topk_method": "greedy", "n_group": 1,
+        "topk_group": 1, "scoring_func": "softmax", "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False}))
+    cfg = engine_config(folder, TINY_PINS, block_size=16)
+    written = from_model_folder(folder)
+    assert cfg.model_config.use_mla
+    assert written["head_size"] == cfg.model_config.get_head_size() == 576
+    assert written["num_kv_heads"] == cfg.model_config.get_total_num_kv_heads()
+    decision = decide(cfg, environ={}, probe=lambda _: True)
+    assert isinstance(decision, Closed) and "MLA" in decision.reason

@@ -117,6 +117,9 @@ def geometry_from_hf_config(cfg: Mapping[str, Any]) -> dict[str, object]:
     hidden = text.get("hidden_size")
     if head_dim is None and hidden is not None and heads:
         head_dim = int(hidden) // int(heads)
+    if text.get("kv_lora_rank") is not None and text.get("is_causal", True):
+        # MLA (DeepSeek V2/V3, Kimi K2): vLLM caches the latent, kv_lora_rank + the rope part
+        head_dim = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
     if head_dim is not None:
         out["head_size"] = head_dim
     if text.get("num_hidden_layers") is not None:

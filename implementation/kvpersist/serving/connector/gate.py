@@ -147,6 +147,16 @@ def non_causal_prefill(vllm_config: Any) -> str | None:
     return None
 
 
+def mla_refusal(vllm_config: Any) -> str | None:
+    """Why an MLA model is not cached yet, or None.  Measured through the real stack on CPU: a
+    DeepSeek-V2-style model's restored latent KV gave an answer wrong from its first token,
+    with files of the right size; until that path is exact, MLA is refused by name."""
+    if getattr(vllm_config.model_config, "use_mla", False):
+        return ("MLA attention (DeepSeek V2/V3/R1, Kimi K2): the latent KV restored through "
+                "LMCache is not exact yet, so MLA models are served uncached")
+    return None
+
+
 def engine_driven_with_groups(vllm_config: Any, kv_cache_config: Any,
                               environ: Mapping[str, str] | None = None) -> str | None:
     """Why LMCache's ``engine_driven`` transfer cannot serve this engine, or None: it copies
@@ -204,8 +214,8 @@ def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
     uneven = uneven_pipeline_split(vllm_config)
     if uneven is not None:
         return Closed(uneven)
-    causal = non_causal_prefill(vllm_config)
-    unkeyable = [*closing_reasons(vllm_config), *([causal] if causal else []),
+    model_refusals = [r for r in (non_causal_prefill(vllm_config), mla_refusal(vllm_config)) if r]
+    unkeyable = [*closing_reasons(vllm_config), *model_refusals,
                  *closing_env_reasons(os.environ if environ is None else environ),
                  *closing_extra_config_reasons(extra_config(vllm_config))]
     if unkeyable:

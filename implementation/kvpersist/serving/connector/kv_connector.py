@@ -27,6 +27,8 @@ Invariants
 * Otherwise, and also when a ``kvpersist.*`` setting is malformed, the connector holds a
   :class:`DisabledKvConnector`: it never contacts the LMCache server, reports no external hits,
   stores nothing, and logs the reason.  vLLM keeps serving.
+* **A registration the server refuses or answers late is caching off, never an outage**: the
+  worker's gate closes (:meth:`KvPersistConnector.register_kv_caches`) and vLLM starts.
 * **The scheduler never promises hits that no worker loads.**  Each worker reports whether its
   gate opened through vLLM's worker→scheduler handshake (:meth:`get_handshake_metadata`, which
   the engine collects after the workers registered their KV caches and hands to the scheduler's
@@ -315,6 +317,22 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     @property
     def disabled_reason(self) -> str | None:
         return self.inner.disabled_reason if isinstance(self.inner, DisabledKvConnector) else None
+
+    # -- registration: a refusal or a late answer costs the cache, never the engine
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """LMCache's registration of this worker's KV caches with the server.  Whatever fails
+        there (the server refuses a layout or a window, or answers after ``mq_timeout``)
+        closes this worker's gate instead of failing vLLM's start; the handshake then closes
+        the scheduler's too (see module invariants)."""
+        try:
+            self.inner.register_kv_caches(kv_caches)
+        except Exception as exc:
+            if not self.caching:
+                raise
+            with_suppressed_errors(self.inner.shutdown)
+            self._close(*self._kvp_args,
+                        f"the LMCache server did not register this worker's KV caches "
+                        f"({type(exc).__name__}: {exc}); vLLM serves uncached until it restarts")
 
     # -- worker → scheduler handshake (see module invariants)
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
