@@ -17,7 +17,8 @@ from kvpersist.testing.helpers import TINY_PINS, free_port
 
 
 def identity(**changes: object) -> CacheIdentity:
-    fields: dict[str, object] = {**load_pins(TINY_PINS), "build": "kvpersist-format=1;test"}
+    fields: dict[str, object] = {**load_pins(TINY_PINS), "build": "kvpersist-format=1;test",
+                                 "weights_sha256": "e" * 64}
     fields.update(changes)
     return CacheIdentity.from_mapping(fields)
 

@@ -48,9 +48,13 @@ def test_engine_identity_matches_pins(tiny_model: Path) -> None:
     assert res.identity.model_revision == tiny_model.name
     # Fields the engine itself derived were cross-checked against the pins.
     for name in ("kv_cache_dtype", "block_size", "num_kv_heads", "head_size", "max_model_len",
-                 "model_revision", "chat_template_sha256", "weights_sha256"):
+                 "model_revision", "chat_template_sha256"):
         assert res.sources[name] == "both", (name, res.sources[name])
-    assert res.sources["build"] == "engine"
+    assert res.sources["build"] == res.sources["weights_sha256"] == "engine"
+    # the engine digests the folder's bytes exactly as the pins writer does
+    from kvpersist.identity.sources import from_model_folder
+
+    assert res.identity.weights_sha256 == from_model_folder(tiny_model)["weights_sha256"]
 
 
 def test_engine_dtype_disagreeing_with_pin_turns_caching_off(tiny_model: Path) -> None:
