@@ -81,3 +81,29 @@ def test_outside_the_initial_pid_namespace_nothing_is_removed(
     caplog.set_level("INFO", logger=shm_sweep.__name__)
     assert sweep_stale_segments(tmp_path).segments == 0 and dead.exists()
     assert "cannot prove their owners dead" in caplog.text
+
+
+def test_orphaned_python_segments_go_only_when_unused_and_old_or_of_an_ended_run(
+        tmp_path: Path) -> None:
+    """vLLM's message queues (``psm_*``) and multiprocessing's semaphores (``sem.mp-*``) carry
+    no pid: a segment goes when nobody maps or holds it open and it is older than the grace
+    period, or it is among the names a run the caller ended made."""
+    from kvpersist.serving.shm_sweep import python_segments, sweep_python_segments
+
+    old, young, held = tmp_path / "psm_0123abcd", tmp_path / "sem.mp-abcd1234", \
+        tmp_path / "psm_deadbeef"
+    for path in (old, held):
+        path.write_bytes(b"q" * 1024)
+    later = os.stat(old).st_ctime + 3600  # an hour after they were made ...
+    young.write_bytes(b"q" * 1024)
+    os.utime(young, (later, later))  # ... when `young` was last written
+    unrelated = tmp_path / "psm_not_hex!"
+    unrelated.write_bytes(b"x")
+    assert python_segments(tmp_path) == {old.name, young.name, held.name}
+    with open(held, "rb"):  # a live process holds it open: in use
+        swept = sweep_python_segments(tmp_path, grace_s=600, now=later + 1)
+        assert (swept.segments, swept.bytes) == (1, 1024)
+        assert not old.exists() and young.exists() and held.exists()
+        # a run the caller ended made `young`: no grace for it, but `held` stays in use
+        sweep_python_segments(tmp_path, only={young.name, held.name})
+        assert not young.exists() and held.exists() and unrelated.exists()

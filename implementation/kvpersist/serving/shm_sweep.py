@@ -1,4 +1,5 @@
-"""Shared-memory segments LMCache's CPU ``lmcache_driven`` transport leaves behind, removed.
+"""Shared-memory segments LMCache's CPU ``lmcache_driven`` transport and vLLM's processes leave
+behind, removed.
 
 On a machine without CUDA, LMCache's zero-copy transport moves vLLM's KV cache into a POSIX
 shared-memory segment, ``/dev/shm/lmcache_kv_<pid>_<n>`` (``<pid>``: the vLLM worker that made
@@ -19,6 +20,13 @@ Invariants
   ``unlink`` drops the name, the pages go when the last mapping does.
 * Runs when kvpersist starts or stops a server and when ``kvp-vllm`` starts vLLM, so what
   earlier runs left is gone before the next one allocates its own.
+* Python's default-named segments (``psm_<8 hex>``, ``multiprocessing.shared_memory``) and
+  semaphores (``sem.mp-<8>``) carry no pid: vLLM's message queues (``ShmRingBuffer``, 16-24 MiB
+  each, one per executor and worker) make them, and a process group killed with SIGKILL (the
+  resource tracker with it) leaves them.  They are removed only when this account owns them,
+  every process is in view, no process maps or holds them open, and they are older than a
+  grace period (:data:`PYTHON_SEGMENT_GRACE_S`) or were made by a run the caller itself ended
+  (``only``): a segment between its creation and its first mapping is never taken.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_NAME = re.compile(r"^lmcache_kv_(?P<pid>[0-9]+)_[0-9]+$")
+#: Python's default names: ``multiprocessing.shared_memory`` segments and named semaphores.
+PYTHON_SEGMENT_NAME = re.compile(r"^(psm_[0-9a-f]{8}|sem\.mp-[a-z0-9_]{8})$")
+#: How old an unmapped Python segment must be before a sweep that did not end its run takes it.
+PYTHON_SEGMENT_GRACE_S = 600.0
 #: The inode of the initial pid namespace (the kernel's ``PROC_PID_INIT_INO``).
 INITIAL_PID_NS_INODE = 0xEFFFFFFC
 
@@ -126,4 +139,48 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> Swept:
     swept = Swept(removed, total)
     if removed:
         logger.info("kvpersist: removed %s", swept)
+    return swept
+
+
+def python_segments(shm_dir: Path = SHM_DIR) -> set[str]:
+    """Names of Python's default-named segments and semaphores under ``shm_dir``."""
+    try:
+        return {e.name for e in os.scandir(shm_dir) if PYTHON_SEGMENT_NAME.match(e.name)}
+    except OSError:
+        return set()
+
+
+def sweep_python_segments(shm_dir: Path = SHM_DIR, *, only: set[str] | None = None,
+                          grace_s: float = PYTHON_SEGMENT_GRACE_S,
+                          now: float | None = None) -> Swept:
+    """Remove orphaned Python segments (module invariants): among ``only`` (names a run the
+    caller ended made) whatever nobody uses; otherwise only those whose last change (mtime and
+    ctime: the latter no one can set back) is older than ``grace_s`` before ``now``."""
+    now = time.time() if now is None else now
+    candidates: list[tuple[str, int]] = []
+    for name in python_segments(shm_dir) if only is None else only & python_segments(shm_dir):
+        try:
+            st = os.stat(shm_dir / name, follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_uid != os.geteuid():
+            continue
+        if only is None and now - max(st.st_mtime, st.st_ctime) < grace_s:
+            continue
+        candidates.append((name, st.st_size))
+    if not candidates or not sees_every_process():
+        return Swept(0, 0)
+    in_use = segments_in_use(shm_dir)
+    removed, total = 0, 0
+    for name, size in candidates:
+        if name in in_use:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(shm_dir / name)
+            removed += 1
+            total += size
+    swept = Swept(removed, total)
+    if removed:
+        logger.info("kvpersist: removed %d orphaned Python shared-memory segment(s) (%.2f GiB)",
+                    removed, total / 2**30)
     return swept

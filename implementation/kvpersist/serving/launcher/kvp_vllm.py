@@ -51,7 +51,7 @@ from ...config.server import ServerSettings, load_settings
 from ...config.site import CONFIG_VARIABLE, effective_environ
 from ...config.values import SettingsError
 from ...identity.engine_flags import EngineFlagsError, IdentityFlags, identity_flags
-from ..shm_sweep import SHM_DIR, sweep_stale_segments
+from ..shm_sweep import SHM_DIR, sweep_python_segments, sweep_stale_segments
 
 VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")  # `vllm serve` needs a dist named vllm
 PROMPT_DETAILS_FLAG = "--enable-prompt-tokens-details"
@@ -298,6 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     swept = sweep_stale_segments()
     if swept.segments:
         print(f"kvpersist: removed {swept} left by earlier vLLM runs", file=sys.stderr)
+    orphans = sweep_python_segments()
+    if orphans.segments:
+        print(f"kvpersist: removed {orphans.segments} orphaned Python shared-memory segment(s) "
+              f"({orphans.bytes / 2**30:.2f} GiB) left by killed vLLM runs", file=sys.stderr)
     env = process_env()
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.execvpe(command[0], command, env)

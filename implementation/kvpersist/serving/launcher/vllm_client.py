@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import http
+from ..shm_sweep import python_segments, sweep_python_segments, sweep_stale_segments
 
 #: The ``kvp-vllm`` command, run by this interpreter.
 KVP_VLLM = (sys.executable, "-m", "kvpersist.serving.launcher.kvp_vllm")
@@ -153,6 +154,8 @@ class VllmServer:
     log_path: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    #: Python shared-memory names present before this run started (the run's are the others).
+    _segments_before: frozenset[str] = frozenset()
 
     @property
     def base_url(self) -> str:
@@ -167,6 +170,7 @@ class VllmServer:
     def start(self, timeout: float = 600.0) -> float:
         """Start and wait for ``/health``; returns seconds to ready."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._segments_before = frozenset(python_segments())
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             self.proc = subprocess.Popen(self.command(), env=self.environment(),
@@ -205,19 +209,24 @@ class VllmServer:
             os.killpg(self.proc.pid, sig)
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM the whole process group, then SIGKILL what is left after ``timeout``."""
+        """SIGTERM the whole process group; once its main process exited, give the rest (the
+        resource tracker that unlinks its segments) a moment before SIGKILL; then remove the
+        shared memory the run left (:meth:`_remove_orphaned_segments`)."""
         if self.proc is None:
             return
         self._signal_group(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=timeout)
+        self._wait_group_gone(self.proc.pid, 10.0, kill_after=False)
         self._signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         self._wait_group_gone(self.proc.pid, 15.0)
         self.proc = None
+        self._remove_orphaned_segments()
 
     def kill(self) -> None:
+        """SIGKILL the whole process group, then remove the shared memory the run left."""
         if self.proc is None:
             return
         self._signal_group(signal.SIGKILL)
@@ -225,9 +234,18 @@ class VllmServer:
             self.proc.wait(timeout=10)
         self._wait_group_gone(self.proc.pid, 15.0)
         self.proc = None
+        self._remove_orphaned_segments()
+
+    def _remove_orphaned_segments(self) -> None:
+        """Python's shared-memory segments that appeared while this run lived and that no
+        process uses now: vLLM's message queues, whose unlink a killed group never reached."""
+        made = python_segments() - set(self._segments_before)
+        if made:
+            sweep_python_segments(only=made)
+        sweep_stale_segments()  # its workers' KV segments, unless a server still maps them
 
     @staticmethod
-    def _wait_group_gone(pgid: int, timeout: float) -> None:
+    def _wait_group_gone(pgid: int, timeout: float, *, kill_after: bool = True) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -235,8 +253,9 @@ class VllmServer:
             except ProcessLookupError:
                 return
             time.sleep(0.2)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
+        if kill_after:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
 
 
 @dataclass(frozen=True)

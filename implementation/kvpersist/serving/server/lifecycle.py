@@ -54,7 +54,7 @@ from ..pidfile import (
     wait_exited,
     write_pid_file,
 )
-from ..shm_sweep import sweep_stale_segments
+from ..shm_sweep import sweep_python_segments, sweep_stale_segments
 from .entry import SocketPathError, clear_stale_socket, remove_socket
 from .host_memory import l1_refusal, mem_available_bytes
 from .log_relay import Rotation, start_log_relay
@@ -310,6 +310,7 @@ def start_server(settings: ServerSettings, *, env: Mapping[str, str] | None = No
     the log's device."""
     stale = _prepare_start(settings)
     sweep_stale_segments()  # what earlier CPU lmcache_driven runs left in /dev/shm
+    sweep_python_segments()  # vLLM's message queues of runs killed long ago
     cmd = server_command(settings, entry=entry)
     began = time.monotonic()
     log = open_private_log(settings.log_file)
