@@ -365,3 +365,17 @@ def test_an_mla_model_is_refused_by_name_and_the_pins_writer_derives_its_geometr
     assert written["num_kv_heads"] == cfg.model_config.get_total_num_kv_heads()
     decision = decide(cfg, environ={}, probe=lambda _: True)
     assert isinstance(decision, Closed) and "MLA" in decision.reason
+
+
+def test_draft_free_speculative_decoding_is_cached_and_a_draft_model_is_refused(
+        tiny_model: Path) -> None:
+    """N-gram proposers add no KV (the target's prefill KV is all a chunk holds): cached.  A
+    draft model's KV layers are not keyed yet: the gate closes naming the speculative config."""
+    ngram = engine_config(tiny_model, TINY_PINS, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1})
+    assert isinstance(decide(ngram, environ={}, probe=lambda _: True), CacheOn)
+    drafted = engine_config(tiny_model, TINY_PINS, speculative_config={
+        "model": str(tiny_model), "num_speculative_tokens": 2})
+    decision = decide(drafted, environ={}, probe=lambda _: True)
+    assert isinstance(decision, Closed) and "speculative_config" in decision.reason

@@ -680,13 +680,24 @@ def _is_safe(value: Any, safe: tuple[Any, ...]) -> bool:
     return value is not None and hasattr(value, "__len__") and len(value) == 0 and () in safe
 
 
+#: Speculative proposers that draft from the tokens alone (prompt-lookup n-grams, suffix
+#: trees): no draft model, no draft KV layers; the target's prefill KV, all a chunk holds, is
+#: what it would be without them.
+DRAFT_FREE_METHODS = ("ngram", "ngram_gpu", "suffix")
+
+
 def closing_reasons(vllm_config: Any) -> list[str]:
     """Why this engine's configuration cannot be cached: each :class:`ClosesGate` field that
     holds an unsafe value.  (Unclassified fields are the contract test's business; at run time
-    the installed vLLM is the tested one or the pins check has already said so.)"""
+    the installed vLLM is the tested one or the pins check has already said so.)  The
+    ``speculative_config`` of a draft-free proposer (:data:`DRAFT_FREE_METHODS`) closes
+    nothing."""
+    draft_free = _value(vllm_config, "speculative_config.method") in DRAFT_FREE_METHODS
     reasons = []
     for name, decision in ENGINE_FIELDS.items():
         if not isinstance(decision, ClosesGate):
+            continue
+        if draft_free and name.startswith("speculative_config."):
             continue
         value = _value(vllm_config, name)
         if not _is_safe(value, decision.safe):
