@@ -25,6 +25,7 @@ from ..serving.server.lifecycle import is_healthy, port_is_free
 from ..serving.server.private_paths import PrivatePathError, check_private_dir
 from .budget import BudgetModel, device_ceiling
 from .compat import CompatError, CompatReport, check_installed
+from .pins_writer import ENGINE_ONLY
 from .restore_limits import describe, restore_limits
 from .shared_fs import SHARED_FS, describe_mount, gluster_client_options, mount_options
 
@@ -32,8 +33,6 @@ LOCAL_FS_OK = {"ext4", "xfs", "btrfs", "zfs", "f2fs", "ext3", "bcachefs"}
 TEST_ONLY_FS = {"tmpfs", "overlay", "overlayfs", "ramfs"}
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "fuse.sshfs", "lustre",
               "beegfs", "gpfs", "9p", "fuse.glusterfs", "fuse.ceph", "fuse.juicefs"}
-#: Identity fields that the engine derives at run time and a pins file may leave out.
-LIVE_ONLY_FIELDS = {"build"}
 
 
 @dataclass(frozen=True)
@@ -266,10 +265,11 @@ def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | No
         try:
             pinned = load_pins(pins)
             missing = [f.env for f in FIELDS if f.name not in pinned
-                       and f.name not in LIVE_ONLY_FIELDS]
+                       and f.name not in ENGINE_ONLY]
             checks.append(Check("identity pins", "error" if missing else "ok",
                                 f"{pins}: missing {', '.join(missing)}" if missing else
-                                f"{pins}: every field pinned (build comes from the engine)"))
+                                f"{pins}: every field pinned (the build and the weights "
+                                "digest come from the engine)"))
             try:
                 level, message = describe(restore_limits(pinned, settings))
                 checks.append(Check("restore size", level, message))
