@@ -125,7 +125,9 @@ def _feed(h: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         tensor = value.detach().to("cpu").contiguous()
         h.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
-        h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        # reshape: a 0-d tensor (Idefics3's ``num_patches``) cannot be viewed as bytes
+        h.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel()
+                 else b"")
     elif isinstance(value, (list, tuple)):
         h.update(f"L{type(value).__name__}{len(value)}".encode())
         for inner in value:
