@@ -193,3 +193,21 @@ def test_any_callable_sent_as_a_collective_rpc_counts_as_a_weight_change() -> No
         assert heard == [load_my_weights.__qualname__, "update_weights"]
     finally:
         engine_rpc.stop_watching(heard.append)
+
+
+def test_a_request_whose_key_derivation_raises_is_a_miss_not_a_crash() -> None:
+    from kvpersist.serving.connector.request_keys import RequestKeys
+
+    class Raising(RequestKeys):
+        def salt(self, request: Any) -> Any:
+            raise RuntimeError("an input kvpersist cannot digest")
+
+    connector = TrackingConnector()
+    side = SchedulerSide(connector, ConnectorOptions(), identity=None,  # type: ignore[arg-type]
+                         stats=KvPersistConnectorStats(), workers=1, attach_late=False,
+                         keys=Raising(None))
+    lmcache_adapters.key_new_trackers(connector, side.key_tracker)
+    request = Request("odd")
+    assert side.lookup(request, lambda: (256, False)) == (0, False)
+    assert connector.request_trackers["odd"].max_offload_tokens == 0
+    assert side._stats.data["kvpersist_uncached_requests"]["key_error"] == 1

@@ -49,10 +49,11 @@ UNCACHED_METRIC = "vllm:kvpersist_uncached_requests_total"
 #: weights_changed: the engine's weights may have changed at run time; lora_id_reused: one
 #: adapter id named two adapters; lora_reloaded: the adapter was reloaded in place;
 #: lora_digest_pending: a large adapter is still being digested off the scheduler's thread;
-#: mm_bidirectional: the model attends bidirectionally over multimodal items.
+#: mm_bidirectional: the model attends bidirectionally over multimodal items; key_error:
+#: deriving the request's key raised (logged with its traceback).
 UNCACHED_REASONS = ("prompt_embeds", "lora_not_local", "lora_unreadable", "lora_changed",
                     "mm_no_content", "weights_changed", "lora_id_reused", "lora_reloaded",
-                    "lora_digest_pending", "mm_bidirectional")
+                    "lora_digest_pending", "mm_bidirectional", "key_error")
 #: What each labelled counter of these stats is: data key -> (metric, reasons, help text).
 COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     BYPASSES: (BYPASS_METRIC, BYPASS_REASONS,
@@ -71,7 +72,7 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
                "Requests kvpersist neither looked up nor stored because their KV cannot be "
                "keyed exactly, by reason: prompt_embeds, lora_not_local, lora_unreadable, "
                "lora_changed, mm_no_content, weights_changed, lora_id_reused, "
-               "lora_reloaded, lora_digest_pending, mm_bidirectional."),
+               "lora_reloaded, lora_digest_pending, mm_bidirectional, key_error."),
 }
 
 

@@ -159,8 +159,13 @@ class SchedulerSide:
         lookup and no store at all (see module invariants).  Once per tracker."""
         if lmcache_adapters.tracker_mark(tracker) is not None:
             return
-        key = (self.keys.salt(request) if self.weights_changed_by is None
-               else self._weights_uncacheable())
+        try:
+            key = (self.keys.salt(request) if self.weights_changed_by is None
+                   else self._weights_uncacheable())
+        except Exception as exc:  # a request kvpersist cannot key is a miss, never a crash
+            logger.exception("kvpersist: request %s cannot be keyed; it is neither looked up "
+                             "nor stored", request.request_id)
+            key = Uncacheable("key_error", f"{type(exc).__name__}: {exc}")
         lora = getattr(request, "lora_request", None)
         if lora is not None:
             self._adapter_of[request.request_id] = int(getattr(lora, "lora_int_id", 0))
