@@ -3,6 +3,7 @@ worker's, another account's and anything not LMCache's stay."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -85,13 +86,16 @@ def test_outside_the_initial_pid_namespace_nothing_is_removed(
 
 def test_orphaned_python_segments_go_only_when_unused_and_old_or_of_an_ended_run(
         tmp_path: Path) -> None:
-    """vLLM's message queues (``psm_*``) and multiprocessing's semaphores (``sem.mp-*``) carry
-    no pid: a segment goes when nobody maps or holds it open and it is older than the grace
-    period, or it is among the names a run the caller ended made."""
+    """vLLM's message queues (``psm_*``) carry no pid: a segment goes when nobody maps or holds
+    it open and it is older than the grace period, or it is among the names a run the caller
+    ended made.  A named semaphore (``sem.mp-*``) is never touched: one in use shows in no
+    process's maps (glibc maps it under a temporary name)."""
     from kvpersist.serving.shm_sweep import python_segments, sweep_python_segments
 
-    old, young, held = tmp_path / "psm_0123abcd", tmp_path / "sem.mp-abcd1234", \
+    old, young, held = tmp_path / "psm_0123abcd", tmp_path / "psm_abcd1234", \
         tmp_path / "psm_deadbeef"
+    semaphore = tmp_path / "sem.mp-abcd1234"
+    semaphore.write_bytes(b"s" * 32)
     for path in (old, held):
         path.write_bytes(b"q" * 1024)
     later = os.stat(old).st_ctime + 3600  # an hour after they were made ...
@@ -107,3 +111,40 @@ def test_orphaned_python_segments_go_only_when_unused_and_old_or_of_an_ended_run
         # a run the caller ended made `young`: no grace for it, but `held` stays in use
         sweep_python_segments(tmp_path, only={young.name, held.name})
         assert not young.exists() and held.exists() and unrelated.exists()
+        sweep_python_segments(tmp_path, only={semaphore.name}, now=later + 1)
+        assert semaphore.exists()
+
+
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
+def test_a_real_python_segment_of_a_killed_process_goes_and_a_live_one_stays() -> None:
+    """Real ``multiprocessing.shared_memory`` segments: one whose process was SIGKILLed (its
+    resource tracker with it: nothing unlinked it), one a live process maps."""
+    import signal
+
+    from kvpersist.serving.shm_sweep import sweep_python_segments
+
+    make = ("import os, signal, sys\n"
+            "from multiprocessing import resource_tracker, shared_memory\n"
+            "m = shared_memory.SharedMemory(create=True, size=1 << 16)\n"
+            "resource_tracker.unregister(m._name, 'shared_memory')\n"
+            "print(m.name, flush=True)\n"
+            "if sys.argv[1] == 'die':\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "sys.stdin.read()\n")
+    dying = subprocess.run([sys.executable, "-c", make, "die"], capture_output=True, text=True,
+                           timeout=60)
+    assert dying.returncode == -signal.SIGKILL
+    orphan = dying.stdout.strip()
+    live = subprocess.Popen([sys.executable, "-c", make, "live"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout is not None
+        held = live.stdout.readline().strip()
+        assert (SHM_DIR / orphan).exists() and (SHM_DIR / held).exists()
+        swept = sweep_python_segments(only={orphan, held})
+        assert swept.segments == 1
+        assert not (SHM_DIR / orphan).exists() and (SHM_DIR / held).exists()
+    finally:
+        live.communicate("", timeout=30)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SHM_DIR / held)

@@ -20,13 +20,15 @@ Invariants
   ``unlink`` drops the name, the pages go when the last mapping does.
 * Runs when kvpersist starts or stops a server and when ``kvp-vllm`` starts vLLM, so what
   earlier runs left is gone before the next one allocates its own.
-* Python's default-named segments (``psm_<8 hex>``, ``multiprocessing.shared_memory``) and
-  semaphores (``sem.mp-<8>``) carry no pid: vLLM's message queues (``ShmRingBuffer``, 16-24 MiB
-  each, one per executor and worker) make them, and a process group killed with SIGKILL (the
-  resource tracker with it) leaves them.  They are removed only when this account owns them,
-  every process is in view, no process maps or holds them open, and they are older than a
-  grace period (:data:`PYTHON_SEGMENT_GRACE_S`) or were made by a run the caller itself ended
-  (``only``): a segment between its creation and its first mapping is never taken.
+* Python's default-named segments (``psm_<8 hex>``, ``multiprocessing.shared_memory``) carry
+  no pid: vLLM's message queues (``ShmRingBuffer``, 16-24 MiB each, one per executor and
+  worker) make them, and a process group killed with SIGKILL (the resource tracker with it)
+  leaves them.  Named semaphores (``sem.mp-*``, 32 bytes each) are left alone: glibc maps a
+  semaphore under a temporary name, so one in use cannot be told from an orphan.  Segments
+  are removed only when this account owns them, every process is in view, no process maps
+  or holds them open, and they are older than a grace period
+  (:data:`PYTHON_SEGMENT_GRACE_S`) or were made by a run the caller itself ended (``only``;
+  another run beside it maps its own queues from the moment it makes them).
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_NAME = re.compile(r"^lmcache_kv_(?P<pid>[0-9]+)_[0-9]+$")
-#: Python's default names: ``multiprocessing.shared_memory`` segments and named semaphores.
-PYTHON_SEGMENT_NAME = re.compile(r"^(psm_[0-9a-f]{8}|sem\.mp-[a-z0-9_]{8})$")
+#: Python's default name of a ``multiprocessing.shared_memory`` segment.  (Named semaphores,
+#: ``sem.mp-*``, are never touched: glibc maps them under a temporary name, so a semaphore in
+#: use shows in no process's maps and could not be told from an orphan.)
+PYTHON_SEGMENT_NAME = re.compile(r"^psm_[0-9a-f]{8}$")
 #: How old an unmapped Python segment must be before a sweep that did not end its run takes it.
 PYTHON_SEGMENT_GRACE_S = 600.0
 #: The inode of the initial pid namespace (the kernel's ``PROC_PID_INIT_INO``).

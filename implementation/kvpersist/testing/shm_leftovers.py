@@ -1,8 +1,8 @@
 """The test suite's own check that it leaves no shared memory behind (``scripts/test.sh``).
 
 ``snapshot FILE`` records the shared-memory names present before the run; ``check FILE`` lists
-those that appeared since and that no process uses (Python's ``psm_*`` and ``sem.mp-*``, vLLM's
-message queues; LMCache's ``lmcache_kv_*``), and exits 1 naming them.  A name a live process
+those that appeared since and that no process uses (Python's ``psm_*``, vLLM's message queues;
+LMCache's ``lmcache_kv_*``), and exits 1 naming them.  A name a live process
 still maps or holds open is not a leftover (a concurrent run's); anything else is one.
 """
 
