@@ -264,3 +264,33 @@ def test_images_of_a_model_that_attends_bidirectionally_over_them_are_not_cached
         image_request(torch.zeros(2, 2), "x"))
     assert isinstance(verdict, Uncacheable) and verdict.reason == "mm_bidirectional"
     assert RequestKeys(None, mm_bidirectional=True).salt(request()) == ""  # text: cached
+
+
+def test_lmcache_s_token_keys_carry_the_image_s_content_not_its_label() -> None:
+    """kvpersist writes each item's content digest over its placeholder tokens in LMCache's
+    real tracker: two images under one label get other token keys, one image under two labels
+    (a counter before and after a restart) the same ones, so it is found after a restart."""
+    import torch
+    from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPRequestTracker
+
+    from kvpersist.serving.connector.request_keys import RequestKey
+    from kvpersist.serving.lmcache_compat.adapters import key_items_by_content
+
+    keys = RequestKeys(None)
+
+    def token_keys(pixels: torch.Tensor, label: str) -> list[int]:
+        req = image_request(pixels, label)
+        key = keys.key(req)
+        assert isinstance(key, RequestKey) and key.item_digests is not None
+        tracker = LMCacheMPRequestTracker(req)
+        key_items_by_content(tracker, req, key.item_digests)
+        return list(tracker.get_token_ids())
+
+    image_a = torch.arange(48, dtype=torch.float32).reshape(4, 12)
+    image_b = image_a.flip(0)
+    assert token_keys(image_a, "renderer0-mm-1-image-0") != token_keys(
+        image_b, "renderer0-mm-1-image-0")
+    assert token_keys(image_a, "renderer0-mm-1-image-0") == token_keys(
+        image_a.clone(), "renderer0-mm-7-image-0")
+    keyed = token_keys(image_a, "x")
+    assert keyed[:4] == [1, 2, 3, 4] and keyed[12:14] == [5, 6] and keyed[4:12] != [9] * 8

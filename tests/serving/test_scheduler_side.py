@@ -199,7 +199,7 @@ def test_a_request_whose_key_derivation_raises_is_a_miss_not_a_crash() -> None:
     from kvpersist.serving.connector.request_keys import RequestKeys
 
     class Raising(RequestKeys):
-        def salt(self, request: Any) -> Any:
+        def key(self, request: Any) -> Any:
             raise RuntimeError("an input kvpersist cannot digest")
 
     connector = TrackingConnector()

@@ -24,9 +24,12 @@ Invariants
 * A request with multimodal items keeps no salt of its own: its salt is derived from the
   content digest of every item (modality, placeholder position and length, and each processed
   input tensor's dtype, shape and bytes), so two requests share KV across an item only when the
-  engine computed with the same inputs.  An item whose inputs the scheduler cannot see (vLLM's
-  ``shm`` processor cache hands it a handle; an item without data) is uncacheable, never keyed
-  by its label.
+  engine computed with the same inputs.  Each item's own digest is also written over its
+  placeholder tokens in LMCache's tracker, where LMCache wrote values of vLLM's label
+  (:class:`RequestKey`), so the same image under a label that restarts with the process (a
+  counter) still finds its KV after a restart.  An item whose inputs the scheduler cannot see
+  (vLLM's ``shm`` processor cache hands it a handle; an item without data) is uncacheable,
+  never keyed by its label.
 * An adapter is keyed by its content: sha256 over every file of its folder (relative path and
   bytes) with the engine's LoRA settings that change the adapter's computation; never by its
   name or id alone.
@@ -138,22 +141,19 @@ def _feed(h: Any, value: Any) -> None:
         raise _NotContent(type(value).__name__)
 
 
-def mm_content_digest(features: Any) -> str | Uncacheable | None:
-    """sha256 over a request's multimodal items as the engine computes with them (see module
-    invariants); None for a request without items."""
-    if not features:
-        return None
-    h = hashlib.sha256(b"kvpersist-mm-content-v1\0")
+def mm_item_digests(features: Any) -> list[str] | Uncacheable:
+    """sha256 of each multimodal item as the engine computes with it: its modality and each
+    processed input's name, field kind, dtype, shape and bytes (see module invariants)."""
+    digests = []
     for feature in features:
         data = getattr(feature, "data", None)
-        position = getattr(feature, "mm_position", None)
         if data is None or not hasattr(data, "items"):
             return Uncacheable("mm_no_content", "a multimodal item reached the scheduler "
                                "without its inputs (vLLM's shm processor cache, or no data): "
                                "it cannot be keyed by content, so the request is neither "
                                "looked up nor stored")
-        h.update(f"{feature.modality}@{getattr(position, 'offset', None)}"
-                 f"+{getattr(position, 'length', None)}".encode())
+        h = hashlib.sha256(b"kvpersist-mm-item-v1\0")
+        h.update(f"{feature.modality}\0".encode())
         try:
             for name in sorted(data):
                 elem = data[name]
@@ -165,7 +165,37 @@ def mm_content_digest(features: Any) -> str | Uncacheable | None:
             return Uncacheable("mm_no_content", f"a multimodal item's inputs hold a "
                                f"{exc} (not tensors): the request is neither looked up nor "
                                "stored")
+        digests.append(h.hexdigest())
+    return digests
+
+
+def mm_content_digest(features: Any, items: list[str] | None = None
+                      ) -> str | Uncacheable | None:
+    """sha256 over a request's multimodal items (their digests, ``items`` when already
+    computed) and placeholder spans; None for a request without items."""
+    if not features:
+        return None
+    if items is None:
+        found = mm_item_digests(features)
+        if isinstance(found, Uncacheable):
+            return found
+        items = found
+    h = hashlib.sha256(b"kvpersist-mm-content-v1\0")
+    for feature, digest in zip(features, items, strict=True):
+        position = getattr(feature, "mm_position", None)
+        h.update(f"{getattr(position, 'offset', None)}+{getattr(position, 'length', None)}"
+                 f":{digest}\0".encode())
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """What LMCache keys a request's chunks with, besides its token IDs and the namespace:
+    the salt, and each multimodal item's content digest (written over its placeholder tokens
+    in place of vLLM's label; None without items)."""
+
+    salt: str
+    item_digests: list[str] | None = None
 
 
 def adapter_tag_of_salt(salt: str) -> str | None:
@@ -240,25 +270,36 @@ class RequestKeys:
 
     def salt(self, request: Any) -> str | Uncacheable:
         """The salt LMCache must key ``request`` with, or why it cannot be cached."""
+        key = self.key(request)
+        return key if isinstance(key, Uncacheable) else key.salt
+
+    def key(self, request: Any) -> RequestKey | Uncacheable:
+        """The salt and item digests LMCache must key ``request`` with, or why it cannot be
+        cached."""
         if getattr(request, "prompt_embeds", None) is not None:
             return Uncacheable("prompt_embeds", "a request with prompt embeddings has no "
                                "content key; it is neither looked up nor stored")
         user_salt = getattr(request, "cache_salt", None) or ""
         features = getattr(request, "mm_features", None)
-        if features and self._mm_bidirectional:
-            return Uncacheable("mm_bidirectional", "the model attends bidirectionally over "
-                               "multimodal items: a chunk's KV depends on tokens after it, so "
-                               "requests with items are neither looked up nor stored")
-        content = mm_content_digest(features)
-        if isinstance(content, Uncacheable):
-            return content
+        items: list[str] | None = None
+        if features:
+            if self._mm_bidirectional:
+                return Uncacheable("mm_bidirectional", "the model attends bidirectionally over "
+                                   "multimodal items: a chunk's KV depends on tokens after it, "
+                                   "so requests with items are neither looked up nor stored")
+            found = mm_item_digests(features)
+            if isinstance(found, Uncacheable):
+                return found
+            items = found
+        content = mm_content_digest(features, items)
+        assert not isinstance(content, Uncacheable)
         lora = getattr(request, "lora_request", None)
         if lora is None:
-            return request_salt(user_salt, None, content)
+            return RequestKey(request_salt(user_salt, None, content), items)
         digest = self.adapter_digest(lora)
         if isinstance(digest, Uncacheable):
             return digest
-        return request_salt(user_salt, digest, content)
+        return RequestKey(request_salt(user_salt, digest, content), items)
 
     def _void(self, ident: _Ident, reason: str) -> None:
         """Adapter id ``ident[0]`` may now run other weights than any digest says: its

@@ -242,6 +242,20 @@ def set_tracker_salt(tracker: Any, salt: str) -> None:
     tracker.cache_salt = salt
 
 
+def key_items_by_content(tracker: Any, request: Any, item_digests: list[str]) -> None:
+    """Write values of each multimodal item's content digest over its placeholder tokens in
+    ``tracker``'s token IDs, where LMCache wrote values of vLLM's label for it (the same
+    substitution, ``apply_mm_hashes_to_token_ids``, with the digests in place of the labels)."""
+    import torch
+    from lmcache.integration.vllm.utils import apply_mm_hashes_to_token_ids
+
+    require(tracker, "mm_adjusted_prompt_ids")
+    prompt_ids = torch.tensor(request.prompt_token_ids)
+    apply_mm_hashes_to_token_ids(prompt_ids, item_digests,
+                                 [feature.mm_position for feature in request.mm_features])
+    tracker.mm_adjusted_prompt_ids = prompt_ids.tolist()
+
+
 def store_nothing(tracker: Any) -> None:
     """No chunk of ``tracker``'s request is ever stored (LMCache bounds its stores by
     ``max_offload_tokens``)."""

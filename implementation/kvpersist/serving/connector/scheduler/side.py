@@ -45,7 +45,7 @@ from ...lmcache_compat import adapters as lmcache_adapters
 from ...lmcache_compat import status as server_status
 from ..heartbeat import dead_after_s
 from ..metrics import KvPersistConnectorStats
-from ..request_keys import RequestKeys, Uncacheable
+from ..request_keys import RequestKey, RequestKeys, Uncacheable
 from .late_attach import RegistrationWatch
 from .lookup_deadline import LookupDeadline, ServerProgressProbe
 
@@ -159,9 +159,12 @@ class SchedulerSide:
         lookup and no store at all (see module invariants).  Once per tracker."""
         if lmcache_adapters.tracker_mark(tracker) is not None:
             return
+        key: RequestKey | Uncacheable
         try:
-            key = (self.keys.salt(request) if self.weights_changed_by is None
+            key = (self.keys.key(request) if self.weights_changed_by is None
                    else self._weights_uncacheable())
+            if isinstance(key, RequestKey) and key.item_digests is not None:
+                lmcache_adapters.key_items_by_content(tracker, request, key.item_digests)
         except Exception as exc:  # a request kvpersist cannot key is a miss, never a crash
             logger.exception("kvpersist: request %s cannot be keyed; it is neither looked up "
                              "nor stored", request.request_id)
@@ -171,9 +174,10 @@ class SchedulerSide:
             self._adapter_of[request.request_id] = int(getattr(lora, "lora_int_id", 0))
         if isinstance(key, Uncacheable):
             lmcache_adapters.store_nothing(tracker)
+            lmcache_adapters.mark_tracker(tracker, key)
         else:
-            lmcache_adapters.set_tracker_salt(tracker, key)
-        lmcache_adapters.mark_tracker(tracker, key)
+            lmcache_adapters.set_tracker_salt(tracker, key.salt)
+            lmcache_adapters.mark_tracker(tracker, key.salt)
 
     def _weights_uncacheable(self) -> Uncacheable:
         return Uncacheable(WEIGHTS_CHANGED, f"the engine's weights may have changed at run time "
