@@ -19,6 +19,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -129,16 +130,17 @@ def _write_model(folder: Path, vocab_size: int, geometry: Geometry) -> None:
     model.save_pretrained(str(folder), safe_serialization=True)
 
 
-def build_tiny_model(out_dir: str | Path, geometry: Geometry = TINY) -> Path:
-    """Build (or reuse) the model of ``geometry`` under ``out_dir``; return its snapshot folder."""
+def publish_snapshot(out_dir: str | Path, model_id: str, write: Callable[[Path], None]) -> Path:
+    """Have ``write(folder)`` write a model's files, then publish them as the Hugging Face cache
+    snapshot ``<out_dir>/models--<org>--<name>/snapshots/<content sha1>`` (an existing snapshot
+    of the same content is kept as it is); return the snapshot folder."""
     out = Path(out_dir)
-    repo_dir = out / ("models--" + geometry.model_id.replace("/", "--"))
+    repo_dir = out / ("models--" + model_id.replace("/", "--"))
     snapshots = repo_dir / "snapshots"
     with tempfile.TemporaryDirectory(dir=out if out.exists() else None) as tmp:
         staging = Path(tmp) / "snapshot"
         staging.mkdir()
-        vocab_size = _write_tokenizer(staging, geometry.max_pos)
-        _write_model(staging, vocab_size, geometry)
+        write(staging)
         revision = content_revision(staging)
         final = snapshots / revision
         if not final.is_dir():
@@ -147,6 +149,14 @@ def build_tiny_model(out_dir: str | Path, geometry: Geometry = TINY) -> Path:
     (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
     (repo_dir / "refs" / "main").write_text(revision)
     return final
+
+
+def build_tiny_model(out_dir: str | Path, geometry: Geometry = TINY) -> Path:
+    """Build (or reuse) the model of ``geometry`` under ``out_dir``; return its snapshot folder."""
+    def write(folder: Path) -> None:
+        _write_model(folder, _write_tokenizer(folder, geometry.max_pos), geometry)
+
+    return publish_snapshot(out_dir, geometry.model_id, write)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,12 +41,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvpersist.demo.tiny_model import content_revision
+from .tiny_model import publish_snapshot
 
 MODEL_ID = "kvpersist/tiny-idefics3"
 IMAGE_TOKEN = "<image>"
@@ -188,23 +186,12 @@ def _write_model(folder: Path, vocab_size: int) -> None:
 
 def build_tiny_vlm(out_dir: str | Path) -> Path:
     """Build (or reuse) the tiny Idefics3 model under ``out_dir``; return its snapshot folder."""
-    out = Path(out_dir)
-    repo_dir = out / ("models--" + MODEL_ID.replace("/", "--"))
-    snapshots = repo_dir / "snapshots"
-    with tempfile.TemporaryDirectory(dir=out if out.exists() else None) as tmp:
-        staging = Path(tmp) / "snapshot"
-        staging.mkdir()
-        vocab_size = _write_tokenizer(staging)
-        _write_processor(staging)
-        _write_model(staging, vocab_size)
-        revision = content_revision(staging)
-        final = snapshots / revision
-        if not final.is_dir():
-            snapshots.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(staging), str(final))
-    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
-    (repo_dir / "refs" / "main").write_text(revision)
-    return final
+    def write(folder: Path) -> None:
+        vocab_size = _write_tokenizer(folder)
+        _write_processor(folder)
+        _write_model(folder, vocab_size)
+
+    return publish_snapshot(out_dir, MODEL_ID, write)
 
 
 def main(argv: list[str] | None = None) -> int:
