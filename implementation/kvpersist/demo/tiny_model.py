@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 MODEL_ID = "kvpersist/tiny-llama"
 #: The pins of the model this module builds (package data; ``configs/tiny-llama`` links here).
@@ -70,25 +70,29 @@ def content_revision(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_tokenizer(folder: Path, max_pos: int) -> int:
+def byte_level_tokenizer(specials: dict[str, int], added: list[str], **named: Any
+                         ) -> tuple[Any, int]:
+    """A byte-level BPE tokenizer without merges, and its vocabulary size: ``specials`` (token
+    -> id) first, then the 256 byte symbols; ``added`` become special tokens, ``named`` the
+    tokenizer's named ones."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in sorted(byte_alphabet):
+    vocab = dict(specials)
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(SPECIAL_TOKENS)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<|bos|>",
-        eos_token="<|eos|>",
-        pad_token="<|pad|>",
-        model_max_length=max_pos,
-    )
+    core.add_special_tokens(added)
+    return PreTrainedTokenizerFast(tokenizer_object=core, **named), len(vocab)
+
+
+def _write_tokenizer(folder: Path, max_pos: int) -> int:
+    specials = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    tok, vocab_size = byte_level_tokenizer(specials, SPECIAL_TOKENS, bos_token="<|bos|>",
+                                           eos_token="<|eos|>", pad_token="<|pad|>",
+                                           model_max_length=max_pos)
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(folder))
     # Keep the template in tokenizer_config.json (one source), not a separate jinja file.
@@ -99,7 +103,7 @@ def _write_tokenizer(folder: Path, max_pos: int) -> int:
         cfg["chat_template"] = jinja.read_text()
         cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         jinja.unlink()
-    return len(vocab)
+    return vocab_size
 
 
 def _write_model(folder: Path, vocab_size: int, geometry: Geometry) -> None:

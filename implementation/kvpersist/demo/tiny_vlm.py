@@ -44,7 +44,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .tiny_model import publish_snapshot
+from .tiny_model import byte_level_tokenizer, publish_snapshot
 
 MODEL_ID = "kvpersist/tiny-idefics3"
 IMAGE_TOKEN = "<image>"
@@ -89,22 +89,9 @@ def _dump_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _write_tokenizer(folder: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = dict(TOKEN_IDS)
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(SPECIAL_TOKENS)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=MAX_POS,
-    )
+    tok, vocab_size = byte_level_tokenizer(dict(TOKEN_IDS), SPECIAL_TOKENS,
+                                           eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                           model_max_length=MAX_POS)
     tok.save_pretrained(str(folder))
     # The template lives in chat_template.jinja only (one source): the processor reads it from
     # there (not from tokenizer_config.json), and so does the tokenizer.
@@ -113,7 +100,7 @@ def _write_tokenizer(folder: Path) -> int:
     cfg.pop("chat_template", None)
     _dump_json(cfg_path, cfg)
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return len(vocab)
+    return vocab_size
 
 
 def _write_processor(folder: Path) -> None:
