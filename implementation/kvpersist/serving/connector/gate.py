@@ -157,15 +157,22 @@ def mla_refusal(vllm_config: Any) -> str | None:
     return None
 
 
+def transfer_mode(vllm_config: Any, environ: Mapping[str, str] | None = None) -> str | None:
+    """LMCache's transfer mode as its connector will read it: the extra config's
+    ``lmcache.mp.mp_transfer_mode``, else ``LMCACHE_MP_TRANSFER_MODE``; None: LMCache's auto."""
+    env = os.environ if environ is None else environ
+    mode = extra_config(vllm_config).get("lmcache.mp.mp_transfer_mode",
+                                         env.get("LMCACHE_MP_TRANSFER_MODE"))
+    return None if mode is None else str(mode)
+
+
 def engine_driven_with_groups(vllm_config: Any, kv_cache_config: Any,
                               environ: Mapping[str, str] | None = None) -> str | None:
     """Why LMCache's ``engine_driven`` transfer cannot serve this engine, or None: it copies
     one KV-cache group, and vLLM's hybrid manager gives the model several (sliding-window and
     full-attention layers, Mamba state)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    env = os.environ if environ is None else environ
-    mode = extra_config(vllm_config).get("lmcache.mp.mp_transfer_mode",
-                                         env.get("LMCACHE_MP_TRANSFER_MODE"))
+    mode = transfer_mode(vllm_config, environ)
     if mode == "engine_driven" and len(groups) > 1:
         return (f"LMCache's engine_driven transfer copies one KV-cache group and this model has "
                 f"{len(groups)} (vLLM's hybrid KV-cache manager); use lmcache_driven "
@@ -188,9 +195,7 @@ def window_frees_unfenced(vllm_config: Any, kv_cache_config: Any,
     copies before the step returns (``engine_driven``, which serves one group only).  With
     vLLM's hybrid manager off, mixed models get full-attention groups (nothing is freed early);
     a model whose every layer has a window keeps its window group either way."""
-    env = os.environ if environ is None else environ
-    mode = extra_config(vllm_config).get("lmcache.mp.mp_transfer_mode",
-                                         env.get("LMCACHE_MP_TRANSFER_MODE"))
+    mode = transfer_mode(vllm_config, environ)
     if mode == "engine_driven":
         return None
     windows = sorted({type(group.kv_cache_spec).__name__

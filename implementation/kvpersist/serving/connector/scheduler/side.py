@@ -206,11 +206,7 @@ class SchedulerSide:
         trackers already store nothing)."""
         if self.weights_changed_by is None:
             return
-        requests = getattr(metadata, "requests", [])
-        kept = [r for r in requests if getattr(r, "direction", None) != "STORE"]
-        if len(kept) != len(requests):
-            self._stats.record_dropped_stores(WEIGHTS_CHANGED, len(requests) - len(kept))
-            metadata.requests = kept
+        self._drop_stores(metadata, WEIGHTS_CHANGED)
 
     def finished(self, request: Any) -> None:
         self.deadline.end(request.request_id)
@@ -222,10 +218,14 @@ class SchedulerSide:
         and commit) per store sent to a dead server before its own heartbeat notices."""
         if self._adapter.is_healthy or lazy_offload:
             return
+        self._drop_stores(metadata, "server_down")
+
+    def _drop_stores(self, metadata: Any, reason: str) -> None:
+        """Remove every store from the step's ``metadata``, counted under ``reason``."""
         requests = getattr(metadata, "requests", [])
         kept = [r for r in requests if getattr(r, "direction", None) != "STORE"]
         if len(kept) != len(requests):
-            self._stats.record_dropped_stores("server_down", len(requests) - len(kept))
+            self._stats.record_dropped_stores(reason, len(requests) - len(kept))
             metadata.requests = kept
 
     def _skip(self, request: Any) -> bool:
