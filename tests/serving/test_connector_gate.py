@@ -20,7 +20,7 @@ from kvpersist.serving.connector.gate import (
 )
 from kvpersist.serving.launcher.kvp_vllm import kv_transfer_config
 from kvpersist.serving.server.lifecycle import start_server
-from kvpersist.testing.helpers import TINY_PINS, write_pins
+from kvpersist.testing.helpers import TINY_PINS, pins_for_model, write_pins
 
 pytestmark = pytest.mark.integration
 
@@ -304,10 +304,10 @@ def test_a_closing_vllm_environment_variable_closes_the_gate_by_name(tiny_model:
                       CacheOn)
 
 
-def test_a_registration_the_server_refuses_or_answers_late_closes_the_gate_not_vllm(
+def test_a_registration_refused_before_it_is_sent_closes_the_gate_not_vllm(
         tiny_model: Path) -> None:
-    """Our logic with a stand-in for LMCache's connector (the server's refusal, or LMCache's
-    ``mq_timeout`` expiring, reaches kvpersist as an exception from its registration)."""
+    """Our logic with a stand-in for LMCache's connector (a refusal reaches kvpersist as an
+    exception from its registration that is not an expired ``mq_timeout``)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvpersist.serving.connector.kv_connector import DisabledKvConnector, KvPersistConnector
@@ -333,11 +333,43 @@ def test_a_registration_the_server_refuses_or_answers_late_closes_the_gate_not_v
     assert "did not register" in str(state.reason) and "15.0s" in str(state.reason)
 
 
-def test_an_mla_model_is_refused_by_name_and_the_pins_writer_derives_its_geometry(
+def test_a_registration_the_server_does_not_answer_in_time_leaves_the_worker_pending(
+        tiny_model: Path) -> None:
+    """LMCache raises ``ConnectionError`` from its ``TimeoutError`` when the server does not
+    answer within ``mq_timeout``: the worker keeps its connector (the server may still handle
+    the registration) and tells its scheduler through the handshake."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpersist.serving.connector.kv_connector import (
+        KvPersistConnector,
+        registration_unanswered,
+    )
+
+    class SlowServerInner:
+        def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+            try:
+                raise TimeoutError
+            except TimeoutError:  # LMCache's own words and chaining
+                raise ConnectionError("LMCache server did not respond to register_kv_caches "
+                                      "within 15.0s. Is the server running?") from None
+
+    cfg = engine_config(tiny_model, TINY_PINS)
+    connector = object.__new__(KvPersistConnector)
+    connector._kvp_args = (cfg, KVConnectorRole.WORKER, None)
+    inner = SlowServerInner()
+    connector.inner = inner  # type: ignore[assignment]
+    connector.register_kv_caches({})
+    assert connector.inner is inner and connector.caching
+    state = connector.get_handshake_metadata()
+    assert state is not None and state.caching and state.registration_pending
+    assert not registration_unanswered(ConnectionError("refused"))
+
+
+def test_an_mla_model_s_pins_agree_with_the_engine_and_the_gate_opens(
         tiny_model: Path, tmp_path: Path) -> None:
     """The engine's MLA geometry (latent kv_lora_rank + qk_rope_head_dim) is what the pins
-    writer derives, so no pins mismatch invites pinning it by hand; the gate then refuses MLA
-    by name (its restored latent KV is not exact yet)."""
+    writer derives, and the gate opens for MLA (its layer views are re-pointed at
+    registration, ``lmcache_compat.kv_views``; the family matrix restores it bit-identical)."""
     import json
     import shutil
 
@@ -363,8 +395,14 @@ def test_an_mla_model_is_refused_by_name_and_the_pins_writer_derives_its_geometr
     assert cfg.model_config.use_mla
     assert written["head_size"] == cfg.model_config.get_head_size() == 576
     assert written["num_kv_heads"] == cfg.model_config.get_total_num_kv_heads()
-    decision = decide(cfg, environ={}, probe=lambda _: True)
-    assert isinstance(decision, Closed) and "MLA" in decision.reason
+    pins = pins_for_model(folder, tmp_path / "mla.env", block_size=16)
+    with pins.open("a") as fh:  # a local folder, not a hub snapshot: the operator names it
+        revision = "1" * 40
+        fh.write(f"KVP_MODEL_ID=local/deepseek-v2-tiny\nKVP_MODEL_REVISION={revision}\n"
+                 f"KVP_TOKENIZER_ID=local/deepseek-v2-tiny\nKVP_TOKENIZER_REVISION={revision}\n")
+    decision = decide(engine_config(folder, pins, block_size=16), environ={},
+                      probe=lambda _: True)
+    assert isinstance(decision, CacheOn), getattr(decision, "reason", decision)
 
 
 def test_draft_free_speculative_decoding_is_cached_and_a_draft_model_is_refused(

@@ -142,3 +142,46 @@ def test_the_pinned_sources_match_and_a_mapping_is_prefaulted() -> None:
     buffer = mmap.mmap(-1, 64 * mmap.PAGESIZE)
     address = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
     assert cpu_transfer.prefault_for_writing(address + 100, 10 * mmap.PAGESIZE)
+
+
+def _resident_bytes_of_mapping(address: int) -> int:
+    """Rss of the mapping (VMA) that holds ``address``, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_each_layer_view_is_prefaulted_for_its_own_bytes_only() -> None:
+    """LMCache maps the whole segment once per layer (vLLM on CPU keeps every layer in one
+    buffer); prefaulting whole mappings cost layers x segment at registration (a 64-layer model
+    timed out).  With the wrapper, each mapping is resident for its layer's view only."""
+    from lmcache.v1.platform.devices.cpu.shm import CpuShmTensorWrapper
+
+    layers, per_layer = 4, 64 * mmap.PAGESIZE
+    buffer = torch.zeros(layers * per_layer, dtype=torch.uint8)
+    views = [buffer[i * per_layer:(i + 1) * per_layer] for i in range(layers)]
+    wrappers = [migrate_to_shm_and_wrap(v) for v in views]
+    assert len({w.shm_name for w in wrappers}) == 1 and wrappers[0].nbytes == layers * per_layer
+    to_tensor = cpu_transfer._prefaulting(CpuShmTensorWrapper.to_tensor)
+    mapped = [to_tensor(w) for w in wrappers]  # the server's side, one mapping per layer
+    for i, tensor in enumerate(mapped):
+        assert cpu_transfer.view_span(tensor) == (tensor.data_ptr(), per_layer)
+        base = tensor.data_ptr() - tensor.storage_offset()
+        assert _resident_bytes_of_mapping(base) == per_layer, i  # not the whole segment
+    unprefaulted = CpuShmTensorWrapper.to_tensor(wrappers[1])
+    assert _resident_bytes_of_mapping(unprefaulted.data_ptr()) == 0
+
+
+def test_the_span_of_a_strided_view() -> None:
+    t = torch.zeros(4, 6, dtype=torch.float32)
+    assert cpu_transfer.view_span(t[:, ::2]) == (t.data_ptr(), (3 * 6 + 2 * 2 + 1) * 4)
+    assert cpu_transfer.view_span(t[1:2]) == (t.data_ptr() + 24, 24)
+    assert cpu_transfer.view_span(t[:0])[1] == 0

@@ -222,3 +222,46 @@ def test_the_gate_lets_engine_driven_through() -> None:
                          ids=["lmcache_driven", "auto", "engine_driven"])
 def test_the_gate_lets_a_full_attention_only_engine_through(mode: str | None) -> None:
     assert window_frees_unfenced(engine(mode), full_only_config(), environ={}) is None
+
+
+# -- windows and blocks LMCache's server refuses to register (checked before vLLM depends on it)
+
+def _window(block: int, window: int) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=block, num_kv_heads=1, head_size=8, dtype=torch.float16,
+                             sliding_window=window)
+
+
+def _lmcache_refuses(block: int, window: int, chunk: int) -> bool:
+    from lmcache.v1.kv_layer_groups import KVLayerGroupsManager
+    try:
+        KVLayerGroupsManager._validate_block_chunk_size_config(0, block, block, chunk, window)
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("block", "window", "chunk"), [
+    (64, 200, 256), (64, 192, 256), (64, 256, 256), (64, 300, 256), (16, 200, 256),
+    (96, 4096, 256), (128, 100, 256), (128, 2047, 256), (16, 4, 256)])
+def test_the_gate_refuses_exactly_the_windows_and_blocks_lmcache_refuses(
+        block: int, window: int, chunk: int) -> None:
+    """The gate's prediction agrees with LMCache's own validation, rule by rule (a window under
+    a chunk not a whole number of blocks; a chunk not a whole number of blocks)."""
+    from kvpersist.serving.connector.gate import registration_refusal
+
+    names = ["model.layers.0.self_attn.attn"]
+    spec = _window(block, window)
+    config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[KVCacheTensor(
+        size=spec.page_size_bytes * 4, layers=names, layer_stride=spec.page_size_bytes * 4,
+        block_stride=spec.page_size_bytes)], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    reason = registration_refusal(config, chunk)
+    assert (reason is not None) == _lmcache_refuses(block, window, chunk), reason
+    if reason is not None:
+        assert "LMCache" in reason and str(block) in reason
+    assert registration_refusal(config, None) is None  # chunk unknown: registration decides
+
+
+def test_a_full_attention_engine_with_a_dividing_block_is_registered() -> None:
+    from kvpersist.serving.connector.gate import registration_refusal
+
+    assert registration_refusal(full_only_config(), 256) is None

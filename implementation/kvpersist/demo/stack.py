@@ -66,20 +66,22 @@ class VllmProcess(VllmServer):
     kv_persist: bool = True
     max_model_len: int = 2048
     compile: bool = False
+    dtype: str = "float32"
 
     def __init__(self, model_dir: Path, pins: Path, log_path: Path, server_env: dict[str, str],
                  *, extra_args: list[str] | None = None, kv_persist: bool = True,
                  max_model_len: int = 2048, port: int | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, dtype: str = "float32") -> None:
         super().__init__(log_path, port if port is not None else free_port())
         self.model_dir, self.pins, self.server_env = model_dir, pins, server_env
         self.extra_args = list(extra_args or [])
         self.kv_persist, self.max_model_len, self.compile = kv_persist, max_model_len, compile
+        self.dtype = dtype
 
     def command(self) -> list[str]:
         return [*LAUNCHER, str(self.model_dir), "--host", "127.0.0.1",
                 "--port", str(self.port), "--served-model-name", SERVED_MODEL_NAME,
-                "--dtype", "float32", "--max-model-len", str(self.max_model_len),
+                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                 # Prefill in steps of one LMCache chunk: a cold request then computes the tail
                 # after the last full chunk exactly as a warm request (prefix loaded from L2)
                 # does, so the two give bit-identical logprobs, not merely close ones.

@@ -147,16 +147,6 @@ def non_causal_prefill(vllm_config: Any) -> str | None:
     return None
 
 
-def mla_refusal(vllm_config: Any) -> str | None:
-    """Why an MLA model is not cached yet, or None.  Measured through the real stack on CPU: a
-    DeepSeek-V2-style model's restored latent KV gave an answer wrong from its first token,
-    with files of the right size; until that path is exact, MLA is refused by name."""
-    if getattr(vllm_config.model_config, "use_mla", False):
-        return ("MLA attention (DeepSeek V2/V3/R1, Kimi K2): the latent KV restored through "
-                "LMCache is not exact yet, so MLA models are served uncached")
-    return None
-
-
 def transfer_mode(vllm_config: Any, environ: Mapping[str, str] | None = None) -> str | None:
     """LMCache's transfer mode as its connector will read it: the extra config's
     ``lmcache.mp.mp_transfer_mode``, else ``LMCACHE_MP_TRANSFER_MODE``; None: LMCache's auto."""
@@ -209,6 +199,39 @@ def window_frees_unfenced(vllm_config: Any, kv_cache_config: Any,
             "engine_driven (one group) or uncached")
 
 
+def _layer_specs(group: Any) -> list[Any]:
+    """A KV-cache group's per-layer specs (``UniformTypeKVCacheSpecs`` holds one per layer)."""
+    spec = getattr(group, "kv_cache_spec", None)
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    return list(per_layer.values()) if per_layer else [spec]
+
+
+def registration_refusal(kv_cache_config: Any, chunk_size: int | None) -> str | None:
+    """Why LMCache's server would refuse to register this engine's KV caches, or None: its
+    ``_validate_block_chunk_size_config`` rules, checked before vLLM's engine depends on the
+    registration.  A chunk must be a whole number of blocks, and a sliding window shorter than a
+    chunk a whole number of blocks.  ``chunk_size`` None (not known before the server answers)
+    checks nothing; a refusal at registration still closes the gate then."""
+    if not chunk_size:
+        return None
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        for spec in _layer_specs(group):
+            block = getattr(spec, "block_size", None)
+            if not isinstance(block, int) or block <= 0:
+                continue
+            if chunk_size % block:
+                return (f"KV-cache group {index}: LMCache's chunk of {chunk_size} tokens is not a "
+                        f"whole number of vLLM blocks of {block}, which its server refuses to "
+                        "register; choose a block size that divides the chunk size")
+            window = getattr(spec, "sliding_window", None)
+            if (any(c.__name__ == "SlidingWindowSpec" for c in type(spec).__mro__)
+                    and isinstance(window, int) and 0 < window < chunk_size and window % block):
+                return (f"KV-cache group {index}: a sliding window of {window} tokens, shorter "
+                        f"than LMCache's chunk of {chunk_size} and not a whole number of blocks "
+                        f"of {block}, which LMCache's server refuses to register")
+    return None
+
+
 def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
            probe: Callable[[ConnectorOptions], bool | str] = server_answers) -> GateDecision:
     """Open or close the gate for one connector instance (see module invariants)."""
@@ -219,7 +242,7 @@ def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
     uneven = uneven_pipeline_split(vllm_config)
     if uneven is not None:
         return Closed(uneven)
-    model_refusals = [r for r in (non_causal_prefill(vllm_config), mla_refusal(vllm_config)) if r]
+    model_refusals = [r for r in (non_causal_prefill(vllm_config),) if r]
     unkeyable = [*closing_reasons(vllm_config), *model_refusals,
                  *closing_env_reasons(os.environ if environ is None else environ),
                  *closing_extra_config_reasons(extra_config(vllm_config))]

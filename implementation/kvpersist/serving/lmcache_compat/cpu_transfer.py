@@ -12,8 +12,10 @@ the server's first write to each page of the mapping takes a minor fault.
   objects themselves to LMCache's own block-copy kernel (``device_ops.multi_layer_block_kv_transfer``)
   where the staging buffer would have been, when the transfer is *eligible*
   (:func:`direct_eligible`); every other transfer runs LMCache's function unchanged.
-* The mapping of each KV segment is prefaulted for writing once, when the engine registers
-  (``MADV_POPULATE_WRITE``); a kernel without it keeps the faults.
+* Each layer's view of the engine's KV segment is prefaulted for writing when the engine
+  registers (``MADV_POPULATE_WRITE``), its own bytes only: LMCache maps the whole segment once
+  per layer, so prefaulting whole mappings multiplied the work by the number of layers; a
+  kernel without ``MADV_POPULATE_WRITE`` keeps the faults.
 
 Invariants
 ----------
@@ -168,15 +170,31 @@ def prefault_for_writing(addr: int, nbytes: int) -> bool:
     return True
 
 
-def _prefaulting(original: Callable[[str, int], int]) -> Callable[[str, int], int]:
+def view_span(tensor: Any) -> tuple[int, int]:
+    """(first byte address, byte length) of the memory a strided tensor view covers."""
+    if tensor.numel() == 0:
+        return int(tensor.data_ptr()), 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(),
+                                                          strict=True))
+    return int(tensor.data_ptr()), (last + 1) * tensor.element_size()
+
+
+def _prefaulting(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``CpuShmTensorWrapper.to_tensor`` prefaulting only the bytes of the view it returns.
+
+    LMCache maps the whole segment for every layer's view (vLLM on CPU keeps all layers in one
+    buffer): prefaulting each mapping in full cost layers x segment (a 64-layer model with
+    5 GiB of KV: 320 GiB of page-table work, 30 s at registration, past vLLM's wait).  Each
+    layer's own range, once, costs one segment in all."""
     @functools.wraps(original)
-    def shm_map_readwrite(name: str, nbytes: int) -> int:
-        addr = original(name, nbytes)
+    def to_tensor(self: Any) -> Any:
+        out = original(self)
+        addr, nbytes = view_span(out)
         if nbytes > 0:
             prefault_for_writing(addr, nbytes)
-        return addr
+        return out
 
-    return shm_map_readwrite
+    return to_tensor
 
 
 def install() -> bool:
@@ -185,8 +203,8 @@ def install() -> bool:
     if not pins.available(FEATURE):
         return False
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ld
-    from lmcache.v1.platform.devices.cpu import shm
+    from lmcache.v1.platform.devices.cpu.shm import CpuShmTensorWrapper
 
     ld.transfer_kv_per_object_group = _direct_or_lmcache(ld.transfer_kv_per_object_group)
-    shm.shm_map_readwrite = _prefaulting(shm.shm_map_readwrite)
+    CpuShmTensorWrapper.to_tensor = _prefaulting(CpuShmTensorWrapper.to_tensor)
     return True

@@ -220,7 +220,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
         "cpu_transfer",
         purpose="on a CPU engine the server copies between L1 objects and the engine's KV "
                 "cache in one pass, without LMCache's staging buffer, on a KV mapping "
-                "prefaulted at registration (lmcache_compat.cpu_transfer)",
+                "prefaulted at registration, each layer's view once (lmcache_compat.cpu_transfer)",
         if_off="LMCache's own copy through its staging buffer: restores and stores on CPU "
                "hosts are slower, never different",
         sources=(
@@ -236,7 +236,6 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
             (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.retrieve", "8929e879f367e932"),
             ("lmcache.v1.platform.devices.cpu.shm", "CpuShmTensorWrapper.to_tensor",
              "68f2432c97cac577"),
-            ("lmcache.v1.multiprocess.posix_shm", "shm_map_readwrite", "c7cbb077244d30c2"),
         )),
     Feature(
         "adapter_loading",

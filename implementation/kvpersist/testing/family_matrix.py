@@ -1,0 +1,210 @@
+"""The architecture matrix: each model family of :mod:`kvpersist.demo.tiny_families` through the
+real stack, as an operator brings up a new model: ``kvp-admin identity write-pins`` from the
+recipe's arguments, ``kvp-server``, ``kvp-vllm``.
+
+Per family: round 1 (a cold start of both processes) answers a ~1,000-token chat and stores its
+full chunks; both processes are restarted; round 2 answers the same chat.  A family expected
+``cached`` passes when round 2 got every full chunk from L2 (vLLM's external prefix-cache
+hits and the client's ``cached_tokens``) and its tokens and logprobs are bit-identical to round
+1's cold answer.  A family expected ``refused: <words>`` passes when vLLM started, answered,
+stored nothing, and logged the gate's refusal containing those words.
+
+Invariants
+----------
+* One LMCache server serves every family of a round (each family is its own namespace); it is
+  restarted between the rounds, so every hit of round 2 comes from L2 files.
+* vLLM's own prefix cache is off and the prefill runs one chunk per step, so a cold and a
+  restored answer are comparable bit for bit.
+* A family never passes on a missing reading: no answer, no log line or fewer hits than full
+  chunks is a failure with the reason in ``FamilyResult.problems``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..config.server import load_settings
+from ..demo.stack import VllmProcess, chat, long_conversation, metric_sum
+from ..demo.tiny_families import FAMILIES, Family, build_family
+from ..l2.layout import sanitize_model_name
+from ..serving.launcher.vllm_client import ChatResult
+from ..serving.server.lifecycle import start_server, stop_server
+from .helpers import l2_files, server_env
+
+HITS = "vllm:external_prefix_cache_hits_total"
+CHUNK = 256
+REQUEST_TIMEOUT = 300.0
+
+
+@dataclass
+class FamilyResult:
+    """What one family's run measured."""
+
+    family: str
+    expect: str
+    outcome: str = "not run"
+    prompt_tokens: int = 0
+    full_chunks: int = 0
+    stored_files: int = 0
+    restored_tokens: float = 0.0
+    identical: bool | None = None
+    gate_line: str = ""
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and self.outcome == self.expect.split(":")[0]
+
+
+def write_pins(family: Family, snapshot: Path, out: Path) -> Path:
+    """The pins of ``family`` as the operator writes them: ``kvp-admin identity write-pins`` from
+    the recipe's vLLM arguments."""
+    recipe = (f"{snapshot} --block-size {family.block_size} --max-model-len 2048 "
+              f"--dtype {family.dtype}")
+    res = subprocess.run([sys.executable, "-m", "kvpersist.admin.cli", "identity", "write-pins",
+                          str(out), "--vllm-args", recipe, "--force"],
+                         capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        raise RuntimeError(f"write-pins for {family.name} failed: {res.stderr.strip()}")
+    return out
+
+
+def _vllm(family: Family, snapshot: Path, pins: Path, log: Path, env: dict[str, str]
+          ) -> VllmProcess:
+    return VllmProcess(snapshot, pins, log, env, dtype=family.dtype,
+                       extra_args=["--block-size", str(family.block_size),
+                                   "--no-enable-prefix-caching"])
+
+
+def _gate_line(log: Path) -> str:
+    """The worker's gate decision in a vLLM log: the 'caching ON' or the refusal line."""
+    for line in log.read_text(errors="replace").splitlines():
+        if "kvpersist: caching ON" in line or "serves without the KV cache tier" in line:
+            return line.strip()
+    return ""
+
+
+def _family_files(root: Path, family: Family) -> int:
+    marker = sanitize_model_name(family.model_id + "/")
+    return sum(1 for name in l2_files(root) if name.startswith(marker))
+
+
+def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyResult]:
+    """Both rounds for ``families`` (see the module docstring); never raises for a family's
+    failure, which is recorded in its result."""
+    work.mkdir(parents=True, exist_ok=True)
+    env = server_env(work / "cache", KVP_CACHE_BUDGET_GB="2")
+    settings = load_settings(env)
+    messages = long_conversation(1000)
+    results = {f.name: FamilyResult(f.name, f.expect) for f in families}
+    snapshots: dict[str, Path] = {}
+    pins: dict[str, Path] = {}
+    cold: dict[str, ChatResult] = {}
+    for family in families:
+        try:
+            snapshots[family.name] = build_family(models, family)
+            pins[family.name] = write_pins(family, snapshots[family.name],
+                                           work / f"{family.name}.env")
+        except Exception as exc:  # a family that cannot be built is that family's failure
+            results[family.name].problems.append(f"build: {type(exc).__name__}: {exc}")
+    ready = [f for f in families if f.name in pins]
+    for round_no in (1, 2):
+        start_server(settings)
+        try:
+            for family in ready:
+                result = results[family.name]
+                if round_no == 2 and (family.name not in cold or result.outcome != "cached"):
+                    continue
+                log = work / f"vllm-{family.name}-{round_no}.log"
+                vllm = _vllm(family, snapshots[family.name], pins[family.name], log, env)
+                try:
+                    vllm.start()
+                    answer = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
+                    hits = metric_sum(vllm.metrics(), HITS)
+                except Exception as exc:
+                    result.problems.append(f"round {round_no}: {type(exc).__name__}: {exc}")
+                    continue
+                finally:
+                    vllm.stop()
+                if round_no == 1:
+                    _judge_cold(family, result, answer, log, settings.cache_root)
+                    cold[family.name] = answer
+                else:
+                    _judge_restored(result, cold[family.name], answer, hits)
+        finally:
+            stop_server(settings)
+    return [results[f.name] for f in families]
+
+
+def _judge_cold(family: Family, result: FamilyResult, answer: ChatResult, log: Path,
+                root: Path) -> None:
+    result.prompt_tokens = answer.prompt_tokens
+    result.full_chunks = answer.prompt_tokens // CHUNK
+    result.gate_line = _gate_line(log)
+    result.stored_files = _family_files(root, family)
+    if "caching ON" in result.gate_line:
+        result.outcome = "cached"
+        if result.stored_files < result.full_chunks:
+            result.problems.append(f"{result.stored_files} files stored for "
+                                   f"{result.full_chunks} full chunks")
+        return
+    result.outcome = "refused"
+    words = family.expect.partition(":")[2].strip()
+    if family.expect.startswith("refused") and words not in result.gate_line:
+        result.problems.append(f"the gate's line does not name {words!r}")
+    if result.stored_files:
+        result.problems.append(f"a refused family stored {result.stored_files} files")
+
+
+def _judge_restored(result: FamilyResult, cold: ChatResult, warm: ChatResult,
+                    hits: float) -> None:
+    result.restored_tokens = hits
+    result.identical = warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
+    want = result.full_chunks * CHUNK
+    if hits != want or warm.cached_tokens != want:
+        result.problems.append(f"{hits:.0f} tokens from L2 ({warm.cached_tokens} cached) "
+                               f"for {want} in full chunks")
+    if not result.identical:
+        result.problems.append(f"answer differs from cold: {warm.tokens[:3]} "
+                               f"{warm.logprobs[:3]} vs {cold.tokens[:3]} {cold.logprobs[:3]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpersist.testing.family_matrix",
+        description="Run model families through write-pins, kvp-server and kvp-vllm: a chat "
+        "stored, both processes restarted, the chat again; each family must be cached and "
+        "bit-identical to its cold answer, or refused by the gate with its named reason.")
+    parser.add_argument("work", type=Path, help="a scratch folder (models, cache, logs)")
+    parser.add_argument("families", nargs="*", metavar="FAMILY",
+                        help=f"families to run (default: all of {', '.join(FAMILIES)})")
+    parser.add_argument("--json", type=Path, metavar="FILE",
+                        help="also write the results (with the date) to FILE")
+    args = parser.parse_args(argv)
+    unknown = [f for f in args.families if f not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    chosen = [FAMILIES[n] for n in (args.families or FAMILIES)]
+    results = run_matrix(chosen, args.work / "models", args.work)
+    for r in results:
+        mark = "PASS" if r.passed else "FAIL"
+        detail = (f"{r.restored_tokens:.0f}/{r.full_chunks * CHUNK} tokens from L2, "
+                  f"identical={r.identical}" if r.outcome == "cached" else r.gate_line[-160:])
+        print(f"{mark}  {r.family:16} {r.outcome:8} {detail}")
+        for problem in r.problems:
+            print(f"      {problem}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "date": datetime.date.today().isoformat(),
+            "results": [asdict(r) | {"passed": r.passed} for r in results]}, indent=2) + "\n")
+    return 0 if all(r.passed for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
