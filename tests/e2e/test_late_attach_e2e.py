@@ -4,6 +4,9 @@ back from L2 after a restart of both."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import pytest
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.testing.helpers import TINY_PINS, wait_for_l2_files
+from kvpersist.testing.helpers import TINY_PINS, l2_files, wait_for_l2_files
 
 pytestmark = pytest.mark.e2e
 ATTACHED = "late attach: the LMCache server lists namespace"
@@ -57,3 +60,78 @@ def test_vllm_started_first_attaches_when_the_server_comes(
         assert second.tokens == first.tokens and second.logprobs == first.logprobs
     finally:
         vllm.kill()
+
+
+
+WORKER_ON = "(role WORKER)"
+NOT_REGISTERED = "did not register this worker's KV caches"
+
+
+def start_with_server_held(vllm: VllmProcess, log: Path, group: int) -> bool:
+    """Start ``vllm`` and stop the server's process group (SIGSTOP) as soon as the worker's gate
+    opened, before the worker registers its KV caches; True when the registration went
+    unanswered (else it got through first and the caller tries again).  The whole group: the
+    server leads its own session, and the kernel continues a stopped, orphaned group when one
+    of its members exits (a server child did, 20 s in)."""
+    failure: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            vllm.start()
+        except BaseException as exc:  # re-raised in the test's thread
+            failure.append(exc)
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    held = False
+    while starter.is_alive() and not held:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if "caching ON" in text and WORKER_ON in text:
+            os.killpg(group, signal.SIGSTOP)  # the caller lets it run again
+            held = True
+        time.sleep(0.02)
+    starter.join(timeout=300)  # the worker waits mq_timeout (15 s), then vLLM starts
+    if failure:
+        raise failure[0]
+    return NOT_REGISTERED in log.read_text(errors="replace")
+
+
+def test_a_server_busy_through_registration_costs_the_cache_not_vllm(
+    tiny_model: Path, tmp_path: Path, server_env: dict[str, str], settings: ServerSettings
+) -> None:
+    """The server is held (SIGSTOP) while vLLM's worker registers: vLLM starts anyway and
+    serves uncached (the gate closed, naming the registration); the server, let run again,
+    handles the stale registration and keeps serving: the next vLLM caches as ever."""
+    from kvpersist.testing.processes import server_pid
+
+    topic, again = long_conversation(800, "topic held"), long_conversation(800, "topic after")
+    start_server(settings)
+    group = os.getpgid(server_pid(settings))
+    vllm = None
+    try:
+        for attempt in range(3):
+            log = tmp_path / f"vllm-{attempt}.log"
+            vllm = VllmProcess(tiny_model, TINY_PINS, log, server_env)
+            if start_with_server_held(vllm, log, group):
+                break
+            os.killpg(group, signal.SIGCONT)  # the registration got through first: again
+            vllm.stop()
+        else:
+            pytest.fail("the registration got through before the server was held, 3 times")
+        uncached = chat(vllm.base_url, topic)
+        assert uncached.cached_tokens == 0
+        os.killpg(group, signal.SIGCONT)
+        chat(vllm.base_url, topic)  # the gate stays closed: no external hit, nothing stored
+        assert metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total") == 0
+        assert not l2_files(settings.cache_root)
+        vllm.stop()
+
+        vllm = VllmProcess(tiny_model, TINY_PINS, tmp_path / "vllm-next.log", server_env)
+        vllm.start()  # the same server, having handled the stale registration
+        first = chat(vllm.base_url, again)
+        stored = wait_for_l2_files(settings.cache_root, min_count=first.prompt_tokens // 256)
+        assert len(stored) >= first.prompt_tokens // 256 >= 3
+    finally:
+        os.killpg(group, signal.SIGCONT)
+        if vllm is not None:
+            vllm.kill()

@@ -27,13 +27,11 @@ Invariants
 * Otherwise, and also when a ``kvpersist.*`` setting is malformed, the connector holds a
   :class:`DisabledKvConnector`: it never contacts the LMCache server, reports no external hits,
   stores nothing, and logs the reason.  vLLM keeps serving.
-* **A registration the server refuses or answers late is caching off, never an outage**, and
-  vLLM starts (:meth:`KvPersistConnector.register_kv_caches`).  A registration the engine
-  itself refuses (LMCache's connector raises before sending it) closes the worker's gate.  One
-  the server does not answer within ``mq_timeout`` (busy, or refusing it) leaves the worker
-  *pending*: its scheduler learns so through the handshake and serves uncached, promising no
-  hit and sending no store, until the server's ``/status`` lists every worker of the engine
-  registered (the late-attach watch), which is when a busy server got to the registration.
+* **A registration the server refuses or answers late is caching off, never an outage**: the
+  worker's gate closes (:meth:`KvPersistConnector.register_kv_caches`) and vLLM starts.  (A
+  late answer cannot simply be waited for: LMCache's worker marks its transfer context
+  registered only when the reply arrives in time, and a store sent to it afterwards raises in
+  vLLM's forward step; measured with the server stopped through a registration.)
 * **The scheduler never promises hits that no worker loads.**  Each worker reports whether its
   gate opened through vLLM's worker→scheduler handshake (:meth:`get_handshake_metadata`, which
   the engine collects after the workers registered their KV caches and hands to the scheduler's
@@ -120,8 +118,6 @@ class WorkerGateState(KVConnectorHandshakeMetadata):  # type: ignore[misc]
 
     caching: bool
     reason: str | None = None
-    #: the worker sent its registration and the server did not answer it in time
-    registration_pending: bool = False
 
 
 class _NoMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -255,12 +251,6 @@ class NamespacedLMCacheConnector(LMCacheMPConnector):  # type: ignore[misc]
         super().shutdown()
 
 
-def registration_unanswered(exc: BaseException) -> bool:
-    """Whether LMCache's registration failed because the server did not answer in time (its
-    ``ConnectionError`` for a ``TimeoutError``), rather than being refused before it was sent."""
-    return isinstance(exc, ConnectionError) and isinstance(exc.__context__, TimeoutError)
-
-
 class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """The connector vLLM instantiates: the gate's choice in ``inner``, every call forwarded."""
 
@@ -336,10 +326,10 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     # -- registration: a refusal or a late answer costs the cache, never the engine
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """LMCache's registration of this worker's KV caches with the server; never fails
-        vLLM's start (see module invariants).  A registration sent and not answered within
-        ``mq_timeout`` leaves this worker pending (the server may still get to it); any other
-        failure closes this worker's gate, and the handshake closes the scheduler's too."""
+        """LMCache's registration of this worker's KV caches with the server.  Whatever fails
+        there (the server refuses a layout or a window, or answers after ``mq_timeout``)
+        closes this worker's gate instead of failing vLLM's start; the handshake then closes
+        the scheduler's too (see module invariants)."""
         before = kv_views.storage_pointers(kv_caches) if self.caching else {}
         try:
             self.inner.register_kv_caches(kv_caches)
@@ -348,12 +338,6 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 raise
             self._repoint_layer_views(before, kv_caches)
             if not self.caching:
-                return
-            if registration_unanswered(exc):
-                self.registration_pending = (f"the LMCache server did not answer this worker's "
-                                             f"registration in time ({exc})")
-                logger.warning("kvpersist: %s; vLLM serves uncached until the server lists "
-                               "it registered", self.registration_pending)
                 return
             with_suppressed_errors(self.inner.shutdown)
             self._close(*self._kvp_args,
@@ -385,13 +369,9 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._close(*self._kvp_args, f"layer view(s) {', '.join(stale[:3])} of the KV cache "
                         "stay on memory the LMCache server does not map")
 
-    #: why this worker's registration is still unanswered (None: answered, or never sent)
-    registration_pending: str | None = None
-
     # -- worker → scheduler handshake (see module invariants)
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return WorkerGateState(self.caching, self.disabled_reason,
-                               registration_pending=self.registration_pending is not None)
+        return WorkerGateState(self.caching, self.disabled_reason)
 
     def set_xfer_handshake_metadata_pp_aware(
             self, metadata: Mapping[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
@@ -400,15 +380,6 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         closed = {rank: state for rank, state in metadata.items()
                   if not (isinstance(state, WorkerGateState) and state.caching)}
         if not closed:
-            pending = [rank for rank, state in metadata.items()
-                       if getattr(state, "registration_pending", False)]
-            scheduler = getattr(self.inner, "kvp_scheduler", None)
-            if pending and (scheduler is None or not scheduler.await_registration(
-                    f"worker (pp, tp) {pending[0]} sent its registration and the LMCache "
-                    "server did not answer it in time")):
-                with_suppressed_errors(self.inner.shutdown)
-                self._close(*self._kvp_args, f"worker (pp, tp) {pending[0]}'s registration "
-                            "is unanswered and no /status URL is set to watch for it")
             return
         rank, state = next(iter(closed.items()))
         why = state.reason if isinstance(state, WorkerGateState) else "no gate state reported"

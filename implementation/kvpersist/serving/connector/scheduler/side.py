@@ -12,8 +12,7 @@ Invariants
   the heartbeat says the server is down, after ``kvpersist.lookup_timeout_s`` without progress,
   or after ``kvpersist.lookup_max_s`` in all (:mod:`kvpersist.serving.connector.scheduler.lookup_deadline`).
 * Until a late-attaching engine has attached, no lookup is made (no hit is promised) and no
-  store is sent.  An engine whose worker registration went unanswered at start is
-  late-attaching from the handshake on (:meth:`SchedulerSide.await_registration`).
+  store is sent.
 * While the heartbeat says the server is down, stores are dropped from the step's metadata
   (unless LMCache's lazy offload expects one receipt per store) and counted in ``/metrics``.
 * An abandoned lookup's L1 locks are released on a live server (a courtesy: the read-lock TTL
@@ -99,11 +98,8 @@ class SchedulerSide:
         #: The adapter id of each tracked request that has one.
         self._adapter_of: dict[str, int] = {}
         self.keys.on_adapter_void = self.adapter_void
-        self._namespace, self._workers = identity.namespace, workers
-        self._status_url: str | None = None
         if options.http_url:
             status_url = options.http_url.rstrip("/") + server_status.PATH
-            self._status_url = status_url
             self._probe = ServerProgressProbe(status_url, self.deadline)
             if attach_late:
                 self._watch = RegistrationWatch(status_url, identity.namespace, workers=workers)
@@ -113,19 +109,6 @@ class SchedulerSide:
     @property
     def attached(self) -> bool:
         return self._watch is None or self._watch.attached
-
-    def await_registration(self, why: str) -> bool:
-        """Serve uncached until the server lists every worker registered (a registration it did
-        not answer in time may still be handled); False when there is no ``/status`` to watch
-        (the caller closes the gate then)."""
-        if self._status_url is None:
-            return False
-        if self._watch is None:
-            self._watch = RegistrationWatch(self._status_url, self._namespace,
-                                            workers=self._workers)
-        logger.warning("kvpersist: %s; serving uncached until the server lists namespace %s "
-                       "registered by all %d worker(s)", why, self._namespace, self._workers)
-        return True
 
     def lookup(self, request: Any, lmcache_lookup: Callable[[], LookupResult]) -> LookupResult:
         """LMCache's lookup (``lmcache_lookup``) under the deadline; ``(0, False)`` when the
