@@ -32,10 +32,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.serial,
 
 RATE = 3 << 20  # bytes per second the server may read from the cache's device
 #: The stall window of the waited-for round (KVP_LOOKUP_TIMEOUT_S).  The throttled loop device
-#: itself pauses now and then: seen twice in 20 runs, no byte dispatched for 5.4 s while all
-#: four reads sat in the kernel (``__iomap_dio_rw``), on an otherwise steady 5 MiB/s; a
-#: bypass is then the right answer to a device that stopped, so the window leaves room for
-#: such a pause and the failure message reports the longest one seen.
+#: itself pauses now and then: no byte dispatched for 5.4 s (and once 10.5 s, beside another
+#: test) while all four reads sat in the kernel (``__iomap_dio_rw``) and blk-throttle's
+#: dispatch worker (``kworker/0:*-kthrotld``) stayed runnable the whole time, on a kernel
+#: built without preemption; seen in 3 of 30 runs.  A bypass is the right answer to a device
+#: that stopped, so a round whose device paused for the whole window is measured again (the
+#: window makes that rare), and the failure message reports the longest pause.
 STALL_S = 10.0
 DEADLINE_S = 5.0  # the ceiling of the abandoned round (KVP_LOOKUP_MAX_S)
 REQUEST_TIMEOUT = 600.0
@@ -97,20 +99,30 @@ def test_a_progressing_restore_is_waited_for_a_stalled_one_is_not(tmp_path: Path
             stop_server(settings)
 
             # Round 2: both restarted, the files' pages evicted, the server's reads at RATE.
+            # Measured again (L1 emptied, vLLM restarted) only when the device itself stopped
+            # for the whole window: a bypass is then the right answer, not the one under test.
             start_server(settings)
             disk.admit(server_pid(settings))
-            vllm = VllmProcess(model, pins, tmp_path / "vllm-2.log", vllm_env)
-            vllm.start()
-            assert disk.evict_files() >= chunks
-            read_before = disk.read_bytes()
-            pauses = DevicePauses(disk)
-            warm = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
-            longest_pause = pauses.stop()
-            metrics = vllm.metrics()
-            hits = metric_sum(metrics, HITS)
+            longest_pause = 0.0
+            for attempt in range(3):
+                if attempt:
+                    print(f"\nthe device paused {longest_pause:.1f}s: measured again")
+                    vllm.stop()
+                    clear_l1(settings)
+                vllm = VllmProcess(model, pins, tmp_path / f"vllm-2-{attempt}.log", vllm_env)
+                vllm.start()
+                assert disk.evict_files() >= chunks
+                read_before = disk.read_bytes()
+                pauses = DevicePauses(disk)
+                warm = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
+                longest_pause = pauses.stop()
+                metrics = vllm.metrics()
+                hits = metric_sum(metrics, HITS)
+                if hits == 256 * chunks or longest_pause < STALL_S:
+                    break
             assert hits == 256 * chunks, (  # every full chunk from L2
-                f"{hits} hits in {warm.seconds:.1f}s, the device's longest pause "
-                f"{longest_pause:.1f}s, "
+                f"{hits} hits in {warm.seconds:.1f}s (attempt {attempt + 1}), the device's "
+                f"longest pause {longest_pause:.1f}s, "
                 f"{(disk.read_bytes() - read_before) / 2**20:.0f} MiB read from the slow disk, "
                 f"{metric_sum(metrics, BYPASS_METRIC):.0f} bypasses, load average "
                 f"{os.getloadavg()}\n{cache_diagnosis(vllm.log_path, settings.log_file)}")
