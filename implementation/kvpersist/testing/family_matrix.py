@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -66,7 +67,7 @@ def write_pins(family: Family, snapshot: Path, out: Path) -> Path:
     """The pins of ``family`` as the operator writes them: ``kvp-admin identity write-pins`` from
     the recipe's vLLM arguments."""
     recipe = (f"{snapshot} --block-size {family.block_size} --max-model-len 2048 "
-              f"--dtype {family.dtype}")
+              f"--dtype {family.dtype}")  # the spec-decoding config is no identity field
     res = subprocess.run([sys.executable, "-m", "kvpersist.admin.cli", "identity", "write-pins",
                           str(out), "--vllm-args", recipe, "--force"],
                          capture_output=True, text=True, timeout=120)
@@ -79,7 +80,7 @@ def _vllm(family: Family, snapshot: Path, pins: Path, log: Path, env: dict[str, 
           ) -> VllmProcess:
     return VllmProcess(snapshot, pins, log, env, dtype=family.dtype,
                        extra_args=["--block-size", str(family.block_size),
-                                   "--no-enable-prefix-caching"])
+                                   "--no-enable-prefix-caching", *family.extra_args])
 
 
 def _gate_line(log: Path) -> str:
@@ -90,9 +91,13 @@ def _gate_line(log: Path) -> str:
     return ""
 
 
-def _family_files(root: Path, family: Family) -> int:
-    marker = sanitize_model_name(family.model_id + "/")
-    return sum(1 for name in l2_files(root) if name.startswith(marker))
+def _family_files(root: Path, namespace: str) -> int:
+    return sum(1 for name in l2_files(root) if namespace in name)
+
+
+def _namespace(gate_line: str) -> str:
+    match = re.search(r"kvp-[0-9a-f]{32}", gate_line)
+    return match.group(0) if match else "(no namespace)"
 
 
 def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyResult]:
@@ -101,7 +106,6 @@ def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyR
     work.mkdir(parents=True, exist_ok=True)
     env = server_env(work / "cache", KVP_CACHE_BUDGET_GB="2")
     settings = load_settings(env)
-    messages = long_conversation(1000)
     results = {f.name: FamilyResult(f.name, f.expect) for f in families}
     snapshots: dict[str, Path] = {}
     pins: dict[str, Path] = {}
@@ -125,6 +129,8 @@ def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyR
                 vllm = _vllm(family, snapshots[family.name], pins[family.name], log, env)
                 try:
                     vllm.start()
+                    # a chat of its own per family: recipes of one checkpoint share nothing
+                    messages = long_conversation(1000, f"the {family.name} family")
                     answer = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
                     hits = metric_sum(vllm.metrics(), HITS)
                 except Exception as exc:
@@ -147,7 +153,9 @@ def _judge_cold(family: Family, result: FamilyResult, answer: ChatResult, log: P
     result.prompt_tokens = answer.prompt_tokens
     result.full_chunks = answer.prompt_tokens // CHUNK
     result.gate_line = _gate_line(log)
-    result.stored_files = _family_files(root, family)
+    result.stored_files = (_family_files(root, _namespace(result.gate_line))
+                           if "caching ON" in result.gate_line
+                           else _family_files(root, sanitize_model_name(family.model_id + "/")))
     if "caching ON" in result.gate_line:
         result.outcome = "cached"
         if result.stored_files < result.full_chunks:

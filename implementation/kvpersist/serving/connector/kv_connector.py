@@ -32,6 +32,9 @@ Invariants
   late answer cannot simply be waited for: LMCache's worker marks its transfer context
   registered only when the reply arrives in time, and a store sent to it afterwards raises in
   vLLM's forward step; measured with the server stopped through a registration.)
+* **Every layer computes on the memory the server maps.**  After LMCache's registration moved
+  the KV caches into shared memory, layer views it did not re-point (MLA's) are re-pointed
+  (:mod:`kvpersist.serving.lmcache_compat.kv_views`); a view left behind closes the gate.
 * **The scheduler never promises hits that no worker loads.**  Each worker reports whether its
   gate opened through vLLM's worker→scheduler handshake (:meth:`get_handshake_metadata`, which
   the engine collects after the workers registered their KV caches and hands to the scheduler's
