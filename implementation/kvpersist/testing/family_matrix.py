@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..config.server import load_settings
 from ..demo.stack import VllmProcess, chat, long_conversation, metric_sum
-from ..demo.tiny_families import FAMILIES, Family, build_family
+from ..demo.tiny_families import Family, add_families_argument, build_family, chosen_families
 from ..l2.layout import sanitize_model_name
 from ..serving.launcher.vllm_client import ChatResult
 from ..serving.server.lifecycle import start_server, stop_server
@@ -190,15 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         "stored, both processes restarted, the chat again; each family must be cached and "
         "bit-identical to its cold answer, or refused by the gate with its named reason.")
     parser.add_argument("work", type=Path, help="a scratch folder (models, cache, logs)")
-    parser.add_argument("families", nargs="*", metavar="FAMILY",
-                        help=f"families to run (default: all of {', '.join(FAMILIES)})")
+    add_families_argument(parser, "run")
     parser.add_argument("--json", type=Path, metavar="FILE",
                         help="also write the results (with the date) to FILE")
     args = parser.parse_args(argv)
-    unknown = [f for f in args.families if f not in FAMILIES]
-    if unknown:
-        parser.error(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
-    chosen = [FAMILIES[n] for n in (args.families or FAMILIES)]
+    chosen = chosen_families(parser, args.families)
     results = run_matrix(chosen, args.work / "models", args.work)
     for r in results:
         mark = "PASS" if r.passed else "FAIL"

