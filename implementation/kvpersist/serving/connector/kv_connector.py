@@ -319,6 +319,11 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                      reason, role.name)
         self.inner = DisabledKvConnector(vllm_config, role, kv_cache_config, reason=reason)
 
+    def _shut_and_close(self, reason: str) -> None:
+        """Close a gate that had opened: LMCache's connector is shut down first."""
+        with_suppressed_errors(self.inner.shutdown)
+        self._close(*self._kvp_args, reason)
+
     @property
     def caching(self) -> bool:
         return not isinstance(self.inner, DisabledKvConnector)
@@ -342,10 +347,9 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._repoint_layer_views(before, kv_caches)
             if not self.caching:
                 return
-            with_suppressed_errors(self.inner.shutdown)
-            self._close(*self._kvp_args,
-                        f"the LMCache server did not register this worker's KV caches "
-                        f"({type(exc).__name__}: {exc}); vLLM serves uncached until it restarts")
+            self._shut_and_close(f"the LMCache server did not register this worker's KV caches "
+                                 f"({type(exc).__name__}: {exc}); vLLM serves uncached until it "
+                                 "restarts")
         else:
             self._repoint_layer_views(before, kv_caches)
 
@@ -368,9 +372,8 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                         "memory LMCache moved it to (e.g. %s)", len(repointed), repointed[0])
         stale = kv_views.stale_views(layers, moved)
         if stale:
-            with_suppressed_errors(self.inner.shutdown)
-            self._close(*self._kvp_args, f"layer view(s) {', '.join(stale[:3])} of the KV cache "
-                        "stay on memory the LMCache server does not map")
+            self._shut_and_close(f"layer view(s) {', '.join(stale[:3])} of the KV cache stay on "
+                                 "memory the LMCache server does not map")
 
     # -- worker → scheduler handshake (see module invariants)
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
@@ -386,8 +389,7 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return
         rank, state = next(iter(closed.items()))
         why = state.reason if isinstance(state, WorkerGateState) else "no gate state reported"
-        with_suppressed_errors(self.inner.shutdown)
-        self._close(*self._kvp_args, f"worker (pp, tp) {rank} serves without the cache ({why})")
+        self._shut_and_close(f"worker (pp, tp) {rank} serves without the cache ({why})")
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
                                     ) -> None:
