@@ -265,3 +265,20 @@ def test_a_full_attention_engine_with_a_dividing_block_is_registered() -> None:
     from kvpersist.serving.connector.gate import registration_refusal
 
     assert registration_refusal(full_only_config(), 256) is None
+
+
+def test_a_window_spec_subclass_or_a_window_inside_a_uniform_type_group_is_refused() -> None:
+    """The refusal looks at every layer's spec and at the class it derives from: an MLA model's
+    ``SlidingWindowMLASpec`` (MLA is cached, so it reaches the gate) and window layers grouped
+    in a ``UniformTypeKVCacheSpecs`` free blocks early just the same."""
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec, UniformTypeKVCacheSpecs
+
+    mla_window = SlidingWindowMLASpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8,
+                                      dtype=torch.float16, sliding_window=SLIDING_WINDOW)
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    uniform = UniformTypeKVCacheSpecs(block_size=BLOCK_SIZE, kv_cache_specs={
+        name: _window_spec() for name in names})
+    for spec, layers in ((mla_window, names[:1]), (uniform, names)):
+        config = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+        reason = window_frees_unfenced(engine("lmcache_driven"), config, environ={})
+        assert reason is not None and "SlidingWindowSpec" in reason, type(spec).__name__

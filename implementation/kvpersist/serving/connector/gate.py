@@ -174,6 +174,19 @@ def engine_driven_with_groups(vllm_config: Any, kv_cache_config: Any,
 WINDOW_SPECS = ("SlidingWindowSpec", "ChunkedLocalAttentionSpec")
 
 
+def _layer_specs(group: Any) -> list[Any]:
+    """A KV-cache group's per-layer specs (``UniformTypeKVCacheSpecs`` holds one per layer)."""
+    spec = getattr(group, "kv_cache_spec", None)
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    return list(per_layer.values()) if per_layer else [spec]
+
+
+def _window_spec(spec: Any) -> str | None:
+    """The :data:`WINDOW_SPECS` class ``spec`` is or derives from (``SlidingWindowMLASpec`` is a
+    ``SlidingWindowSpec``), by name so the gate imports no vLLM; None for any other spec."""
+    return next((c.__name__ for c in type(spec).__mro__ if c.__name__ in WINDOW_SPECS), None)
+
+
 def window_frees_unfenced(vllm_config: Any, kv_cache_config: Any,
                           environ: Mapping[str, str] | None = None) -> str | None:
     """Why this engine's stores could read blocks vLLM already freed, or None.
@@ -190,22 +203,16 @@ def window_frees_unfenced(vllm_config: Any, kv_cache_config: Any,
     mode = transfer_mode(vllm_config, environ)
     if mode == "engine_driven":
         return None
-    windows = sorted({type(group.kv_cache_spec).__name__
+    windows = sorted({window
                       for group in getattr(kv_cache_config, "kv_cache_groups", None) or ()
-                      if type(group.kv_cache_spec).__name__ in WINDOW_SPECS})
+                      for spec in _layer_specs(group)
+                      if (window := _window_spec(spec)) is not None})
     if not windows:
         return None
     return (f"the model's KV-cache groups include {', '.join(windows)}: vLLM frees their blocks "
             f"out of the window while a store in {mode or 'auto'} mode may still read them, "
             "which kvpersist does not fence yet; serve it with KVP_MP_TRANSFER_MODE="
             "engine_driven (one group) or uncached")
-
-
-def _layer_specs(group: Any) -> list[Any]:
-    """A KV-cache group's per-layer specs (``UniformTypeKVCacheSpecs`` holds one per layer)."""
-    spec = getattr(group, "kv_cache_spec", None)
-    per_layer = getattr(spec, "kv_cache_specs", None)
-    return list(per_layer.values()) if per_layer else [spec]
 
 
 def registration_refusal(kv_cache_config: Any, chunk_size: int | None) -> str | None:
@@ -226,7 +233,7 @@ def registration_refusal(kv_cache_config: Any, chunk_size: int | None) -> str | 
                         f"whole number of vLLM blocks of {block}, which its server refuses to "
                         "register; choose a block size that divides the chunk size")
             window = getattr(spec, "sliding_window", None)
-            if (any(c.__name__ == "SlidingWindowSpec" for c in type(spec).__mro__)
+            if (_window_spec(spec) == "SlidingWindowSpec"
                     and isinstance(window, int) and 0 < window < chunk_size and window % block):
                 return (f"KV-cache group {index}: a sliding window of {window} tokens, shorter "
                         f"than LMCache's chunk of {chunk_size} and not a whole number of blocks "
@@ -244,8 +251,8 @@ def decide(vllm_config: Any, *, environ: Mapping[str, str] | None = None,
     uneven = uneven_pipeline_split(vllm_config)
     if uneven is not None:
         return Closed(uneven)
-    model_refusals = [r for r in (non_causal_prefill(vllm_config),) if r]
-    unkeyable = [*closing_reasons(vllm_config), *model_refusals,
+    non_causal = non_causal_prefill(vllm_config)
+    unkeyable = [*closing_reasons(vllm_config), *([non_causal] if non_causal else []),
                  *closing_env_reasons(os.environ if environ is None else environ),
                  *closing_extra_config_reasons(extra_config(vllm_config))]
     if unkeyable:
