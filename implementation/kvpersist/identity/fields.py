@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NAMESPACE_PREFIX = "kvp-"
-NAMESPACE_RE = re.compile(r"^kvp-[0-9a-f]{32}$")
+#: A namespace anywhere in a text (a log line, a model name, a JSON document).
+NAMESPACE_IN_TEXT = re.compile(r"kvp-[0-9a-f]{32}")
+NAMESPACE_RE = re.compile(rf"^{NAMESPACE_IN_TEXT.pattern}$")
 _SHA1_RE = re.compile(r"^[0-9a-f]{40}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 #: Pinned in place of a chat template digest when the model has no chat template at all.

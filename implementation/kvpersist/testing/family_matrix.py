@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from pathlib import Path
 from ..config.server import load_settings
 from ..demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from ..demo.tiny_families import Family, add_families_argument, build_family, chosen_families
+from ..identity.fields import NAMESPACE_IN_TEXT
 from ..l2.layout import sanitize_model_name
 from ..serving.launcher.vllm_client import ChatResult
 from ..serving.server.lifecycle import start_server, stop_server
@@ -96,7 +96,7 @@ def _family_files(root: Path, namespace: str) -> int:
 
 
 def _namespace(gate_line: str) -> str:
-    match = re.search(r"kvp-[0-9a-f]{32}", gate_line)
+    match = NAMESPACE_IN_TEXT.search(gate_line)
     return match.group(0) if match else "(no namespace)"
 
 

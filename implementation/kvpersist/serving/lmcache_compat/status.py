@@ -14,11 +14,11 @@ Invariants
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from ...identity.fields import NAMESPACE_IN_TEXT
 from .. import http
 
 PATH = "/status"
@@ -27,7 +27,6 @@ REGISTRATION_SECTIONS = ("cache_context_meta", "non_cuda_context_meta")
 #: ``type`` of kvpersist's adapter among ``storage_manager.l2_adapters``.
 KVPERSIST_ADAPTER = "KvPersistL2Adapter"
 
-_NAMESPACE = re.compile(r"kvp-[0-9a-f]{32}")
 
 
 def fetch(http_url: str, timeout: float = 5.0) -> Mapping[str, Any] | None:
@@ -90,7 +89,7 @@ def registered_namespaces(status: Mapping[str, Any]) -> Counter[str]:
     found: Counter[str] = Counter()
     for section in REGISTRATION_SECTIONS:
         for entry in _mapping(status.get(section)).values():
-            found.update(set(_NAMESPACE.findall(json.dumps(entry))))
+            found.update(set(NAMESPACE_IN_TEXT.findall(json.dumps(entry))))
     return found
 
 
