@@ -22,6 +22,7 @@ import pytest
 
 from kvpersist.admin import compat
 from kvpersist.admin.cli import main
+from kvpersist.identity.engine_fields import ADDED_AFTER_TESTED
 from kvpersist.serving.lmcache_compat import pins
 
 VLLM_SITE = compat.installed_location("vllm")
@@ -416,17 +417,34 @@ def test_imports_the_target_lacks_are_reported(
 def test_a_wheel_is_read_in_memory(tmp_path: Path,
                                    changed_vllm: tuple[Path, compat.CompatReport]) -> None:
     root, expected = changed_vllm
-    wheel = tmp_path / "vllm-0.99.0-cp38-abi3-linux_x86_64.whl"
+    wheel = tmp_path / "vllm-0.32.1-cp38-abi3-linux_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         for path in sorted(root.rglob("*.py")):
             z.write(path, path.relative_to(root).as_posix())
-        z.writestr("vllm-0.99.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: vllm\n"
-                   "Version: 0.99.0\n")
+        z.writestr("vllm-0.32.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: vllm\n"
+                   "Version: 0.32.1\n")
     report = compat.check(vllm=wheel)
-    assert report.vllm.version == "0.99.0"
+    assert report.vllm.version == "0.32.1"
     assert report.engine_fields == expected.engine_fields
     assert report.api == expected.api
 
+
+
+def test_a_release_after_an_entrys_own_lacking_it_reports_it_stale(
+        tmp_path: Path, changed_vllm: tuple[Path, compat.CompatReport]) -> None:
+    """Entries vLLM 0.33.0 added are expected absent from the 0.32 tree the fixture copies
+    while it says it is 0.32.1, and stale once the same tree says it is 0.99.0."""
+    root, _ = changed_vllm
+    added = tuple(ADDED_AFTER_TESTED)
+    for version, stale in (("0.32.1", ()), ("0.99.0", added)):
+        wheel = tmp_path / f"vllm-{version}-cp38-abi3-linux_x86_64.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            for path in sorted(root.rglob("*.py")):
+                z.write(path, path.relative_to(root).as_posix())
+            z.writestr(f"vllm-{version}.dist-info/METADATA",
+                       f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+        report = compat.check(vllm=wheel)
+        assert set(report.engine_fields.stale) == {"kv_events_config.topic", *stale}, version
 
 # -- the command ----------------------------------------------------------------------------------
 

@@ -13,12 +13,14 @@ import pytest
 
 from kvpersist.identity import FIELDS
 from kvpersist.identity.engine_fields import (
+    ADDED_AFTER_TESTED,
     ENGINE_FIELDS,
     ClosesGate,
     Namespace,
     Neutral,
     PerRequest,
     closing_reasons,
+    expected_absent,
 )
 from kvpersist.identity.engine_flags import hf_overrides_of, identity_flags
 from kvpersist.identity.sources import from_model_folder, from_vllm_config
@@ -142,3 +144,35 @@ def test_the_pins_writer_reads_the_new_flags_from_the_recipe() -> None:
     assert flags.quantization == "fp8" and flags.dtype == "bfloat16"
     assert hf_overrides_of(flags) == {"rope_scaling": {"factor": 2}}
     assert dataclasses.replace(flags, hf_overrides=None).hf_overrides is None
+
+
+# -- vLLM releases newer than the tested one, classified by reading -------------------------------
+
+_RECORDED_0_33 = Path(__file__).parent / "data" / "vllm-0.33.0-engine-fields.txt"
+
+
+def _recorded_fields(path: Path) -> list[str]:
+    return [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line and not line.startswith("#")]
+
+
+def test_every_engine_field_of_vllm_0_33_is_classified() -> None:
+    """vLLM 0.33.0's fields as kvp-admin compat read them from its wheel: none unclassified
+    (the gate would close on 0.33.0), and every entry it lacks is one it is expected to lack."""
+    recorded = _recorded_fields(_RECORDED_0_33)
+    assert len(recorded) == 457
+    assert [name for name in recorded if name not in ENGINE_FIELDS] == []
+    present = set(recorded)
+    assert [name for name in ENGINE_FIELDS
+            if name not in present and not expected_absent(name, "0.33.0")] == []
+
+
+def test_fields_added_after_the_tested_release_are_absent_only_from_older_ones() -> None:
+    assert set(ADDED_AFTER_TESTED) <= set(ENGINE_FIELDS)
+    name = "watchdog_config.timeout"
+    assert ADDED_AFTER_TESTED[name][0] == "0.33.0"
+    assert expected_absent(name, "0.32.0") and expected_absent(name, "0.32.9.dev3+g1234")
+    assert expected_absent(name, None)
+    assert not expected_absent(name, "0.33.0") and not expected_absent(name, "0.33.0rc1")
+    assert not expected_absent(name, "0.34.1") and not expected_absent(name, "1.0")
+    assert not expected_absent("cache_config.block_size", "0.1.0")

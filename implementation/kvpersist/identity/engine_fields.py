@@ -25,6 +25,7 @@ Invariants
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -649,6 +650,58 @@ ENGINE_FIELDS: dict[str, Decision] = {
     "performance_mode": Neutral(_SCHED),
     "shutdown_timeout": Neutral(_RUNTIME),
 }
+
+
+#: Fields of vLLM releases newer than the tested one, classified by reading that release's
+#: source (``kvp-admin compat --vllm <wheel>`` lists them), with the release that added each.
+#: They are part of :data:`ENGINE_FIELDS`; an older vLLM lacks them, which is not staleness
+#: (:func:`expected_absent`).
+ADDED_AFTER_TESTED: dict[str, tuple[str, Decision]] = {
+    "cache_config.simple_cpu_offload_num_blocks": ("0.33.0", Neutral(
+        "vLLM's own CPU-offload connector's block count, set by vLLM (init=False)")),
+    "attention_config.trtllm_ragged_backend": ("0.33.0", Neutral(
+        _KERNEL + "; FP8 queries come from use_prefill_query_quantization, which closes")),
+    "attention_config.indexer_tp_shard_min_rows": ("0.33.0", Neutral(
+        "splits the sparse indexer's scoring work over TP ranks; the same rows are scored")),
+    "attention_config.minimax_m3_indexer_cp": ("0.33.0", Neutral(
+        "shards the indexer's decode work, not the KV; vLLM selects the same blocks")),
+    "kernel_config.monokernel": ("0.33.0", Neutral(_KERNEL + " (a fused decode-layer kernel)")),
+    "speculative_config.disable_lookahead_block_hashes": ("0.33.0", Neutral(_PREFIX_CACHE)),
+    "speculative_config.draft_lm_head_quantization": ("0.33.0", Neutral(
+        "the drafter's copy of the head; the target verifies with its own (acceptance only)")),
+    "speculative_config.xpress_topc": ("0.33.0", Neutral(
+        "narrows an XPress drafter's candidates; the target's KV is unchanged")),
+    "speculative_config.fly_window_size": ("0.33.0", Neutral(_OUTPUT + " (FLy acceptance)")),
+    "speculative_config.fly_entropy_threshold": ("0.33.0", Neutral(
+        _OUTPUT + " (FLy acceptance)")),
+    "speculative_config.fly_entropy_top_k": ("0.33.0", Neutral(_OUTPUT + " (FLy acceptance)")),
+    "watchdog_config.timeout": ("0.33.0", Neutral(_OBSERVE + ": a stack-dump watchdog")),
+    "watchdog_config.check_interval": ("0.33.0", Neutral(_OBSERVE + ": a stack-dump watchdog")),
+    "watchdog_config.dump_dir": ("0.33.0", Neutral(_OBSERVE + ": a stack-dump watchdog")),
+}
+ENGINE_FIELDS.update({name: decision for name, (_, decision) in ADDED_AFTER_TESTED.items()})
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.33.0rc1"`` -> ``(0, 33, 0)``: the leading numeric release segments."""
+    parts = []
+    for piece in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != piece:
+            break
+    return tuple(parts)
+
+
+def expected_absent(name: str, vllm_version: str | None) -> bool:
+    """Whether a vLLM of ``vllm_version`` lacks entry ``name`` because a later release added
+    it (so its absence there is not a stale entry).  A source tree of unknown version may be
+    any release, so it may lack them too."""
+    added = ADDED_AFTER_TESTED.get(name)
+    return added is not None and (vllm_version is None
+                                  or _release(vllm_version) < _release(added[0]))
 
 
 _MISSING = object()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from ...identity.engine_fields import ENGINE_FIELDS
+from ...identity.engine_fields import ENGINE_FIELDS, expected_absent
 from ...serving.lmcache_compat import engine_config
 from .parsing import _decorators, _dotted, _Module
 from .resolve import SourceTrees, _Def
@@ -162,5 +162,8 @@ def _owner_module(trees: SourceTrees, cls: _Def, field_name: str, depth: int = 0
 def _check_engine_fields(trees: SourceTrees) -> EngineFields:
     names, unresolved = engine_field_names_from_source(trees)
     present = set(names)
+    version = trees.by_package["vllm"].info.version
     return EngineFields(len(names), tuple(n for n in names if n not in ENGINE_FIELDS),
-                        tuple(n for n in ENGINE_FIELDS if n not in present), tuple(unresolved))
+                        tuple(n for n in ENGINE_FIELDS
+                              if n not in present and not expected_absent(n, version)),
+                        tuple(unresolved))

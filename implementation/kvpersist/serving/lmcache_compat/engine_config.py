@@ -21,7 +21,8 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from ...identity.engine_fields import ENGINE_FIELDS
+from ...identity.engine_fields import ENGINE_FIELDS, expected_absent
+from . import pins
 
 
 def _config_class(annotation: Any) -> type | None:
@@ -63,9 +64,12 @@ def unclassified() -> list[str]:
 
 
 def stale_entries() -> list[str]:
-    """Entries of :data:`ENGINE_FIELDS` that the installed vLLM no longer has."""
+    """Entries of :data:`ENGINE_FIELDS` that the installed vLLM no longer has (an entry a
+    later vLLM release added is expected absent, not stale)."""
     present = set(engine_field_names())
-    return [name for name in ENGINE_FIELDS if name not in present]
+    version = pins.installed_versions()["vllm"]
+    return [name for name in ENGINE_FIELDS
+            if name not in present and not expected_absent(name, version)]
 
 
 
