@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import shutil
 import subprocess
@@ -171,6 +172,26 @@ def test_write_pins_from_folder_and_recipe_matches_the_shipped_pins(
     assert code == 0 and out.startswith("replaced")
     assert str(_pins_values(target)["max_model_len"]) == "1024"
 
+
+
+def test_engine_level_processor_kwargs_are_pinned_and_move_the_namespace(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A recipe with ``--mm-processor-kwargs`` pins their digest (and a namespace of its own);
+    without them the pins file is what it always was (no line for the field)."""
+    folder = tiny_folder(tmp_path)
+    plain, tuned = tmp_path / "plain.env", tmp_path / "tuned.env"
+    code, out, err = run(capsys, "identity", "write-pins", str(plain), "--vllm-args",
+                         f"{folder} {RECIPE}")
+    assert code == 0, err
+    plain_ns = out.split("namespace ")[1].strip()
+    assert "KVP_MM_PROCESSOR_KWARGS_SHA256" not in plain.read_text()
+    kwargs = '{"max_pixels": 1000}'
+    code, out, err = run(capsys, "identity", "write-pins", str(tuned), "--vllm-args",
+                         f"{folder} {RECIPE} --mm-processor-kwargs '{kwargs}'")
+    assert code == 0, err
+    digest = hashlib.sha256(b'{"max_pixels":1000}').hexdigest()
+    assert _pins_values(tuned)["mm_processor_kwargs_sha256"] == digest
+    assert out.split("namespace ")[1].strip() != plain_ns
 
 def test_missing_flag_still_shows_every_resolved_value(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.identity import FIELDS
+from kvpersist.identity import FIELDS, merge_sources
 from kvpersist.identity.engine_fields import (
     ADDED_AFTER_TESTED,
     ENGINE_FIELDS,
@@ -22,7 +22,12 @@ from kvpersist.identity.engine_fields import (
     closing_reasons,
     expected_absent,
 )
-from kvpersist.identity.engine_flags import hf_overrides_of, identity_flags
+from kvpersist.identity.engine_flags import (
+    EngineFlagsError,
+    hf_overrides_of,
+    identity_flags,
+    mm_processor_kwargs_of,
+)
 from kvpersist.identity.sources import from_model_folder, from_vllm_config
 from kvpersist.serving.lmcache_compat.engine_config import stale_entries, unclassified
 
@@ -145,6 +150,35 @@ def test_the_pins_writer_reads_the_new_flags_from_the_recipe() -> None:
     assert hf_overrides_of(flags) == {"rope_scaling": {"factor": 2}}
     assert dataclasses.replace(flags, hf_overrides=None).hf_overrides is None
 
+
+
+def test_engine_level_processor_kwargs_are_a_namespace_field_not_a_closed_gate(
+        engine_config: Any, tiny_model: Path) -> None:
+    """``--mm-processor-kwargs`` moves the namespace (the same digest from the recipe's flag
+    and from the engine), where it used to close the gate; a value no digest can stand for
+    turns caching off even against pins that say 'none'."""
+    key = "model_config.multimodal_config.mm_processor_kwargs"
+    assert closing_reasons(_tree(key, {"max_pixels": 1000})) == []
+    base = from_vllm_config(engine_config)
+    assert base["mm_processor_kwargs_sha256"] == "none"
+    assert from_model_folder(tiny_model)["mm_processor_kwargs_sha256"] == "none"
+    flags = identity_flags(["m", "--mm-processor-kwargs", '{"num_crops": 4, "max_pixels": 1000}'])
+    kwargs = mm_processor_kwargs_of(flags)
+    assert kwargs == {"num_crops": 4, "max_pixels": 1000}
+    pinned = from_model_folder(tiny_model, mm_processor_kwargs=kwargs)
+    engine = from_vllm_config(_with_model(engine_config, multimodal_config=SimpleNamespace(
+        mm_processor_kwargs={"max_pixels": 1000, "num_crops": 4})))
+    assert engine["mm_processor_kwargs_sha256"] == pinned["mm_processor_kwargs_sha256"] != "none"
+    other = from_vllm_config(_with_model(engine_config, multimodal_config=SimpleNamespace(
+        mm_processor_kwargs={"max_pixels": 2000, "num_crops": 4})))
+    assert other["mm_processor_kwargs_sha256"] != engine["mm_processor_kwargs_sha256"]
+    opaque = from_vllm_config(_with_model(engine_config, multimodal_config=SimpleNamespace(
+        mm_processor_kwargs={"size": object()})))
+    resolution = merge_sources({**base, "mm_processor_kwargs_sha256": "none"}, opaque)
+    assert resolution.identity is None
+    assert any("mm_processor_kwargs_sha256" in p for p in resolution.problems)
+    with pytest.raises(EngineFlagsError, match="--mm-processor-kwargs"):
+        mm_processor_kwargs_of(identity_flags(["m", "--mm-processor-kwargs", "[1]"]))
 
 # -- vLLM releases newer than the tested one, classified by reading -------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from kvpersist.identity import (
     merge_sources,
     parse_pins_text,
 )
+from kvpersist.identity.fields import OPTIONAL_FIELDS
 from kvpersist.identity.sources import (
     chat_template_digest,
     from_model_folder,
@@ -44,6 +46,7 @@ BASE: dict[str, object] = {
     "quantization": "none",
     "model_config_sha256": "c" * 64,
     "weights_sha256": "e" * 64,
+    "mm_processor_kwargs_sha256": "none",
 }
 
 #: A different valid value for every field.
@@ -67,6 +70,7 @@ CHANGED: dict[str, object] = {
     "quantization": "fp8",
     "model_config_sha256": "d" * 64,
     "weights_sha256": "f" * 64,
+    "mm_processor_kwargs_sha256": "9" * 64,
 }
 
 
@@ -95,6 +99,20 @@ def test_any_single_field_change_changes_namespace(name: str) -> None:
     base = CacheIdentity.from_mapping(BASE).namespace
     changed = CacheIdentity.from_mapping({**BASE, name: CHANGED[name]}).namespace
     assert changed != base
+
+
+def test_a_field_added_later_keeps_every_earlier_namespace_at_its_earlier_value() -> None:
+    """An identity (or record) without ``mm_processor_kwargs_sha256`` is the one with 'none':
+    same canonical JSON, hence the namespace it had before the field existed."""
+    earlier = {k: v for k, v in BASE.items() if k not in OPTIONAL_FIELDS}
+    before = CacheIdentity.from_mapping(earlier)
+    assert before == CacheIdentity.from_mapping(BASE)
+    assert "mm_processor_kwargs_sha256" not in before.canonical_json()
+    assert before.namespace == "kvp-" + hashlib.sha256(
+        json.dumps(earlier, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+    given = CacheIdentity.from_mapping({**BASE, "mm_processor_kwargs_sha256": "9" * 64})
+    assert given.as_dict()["mm_processor_kwargs_sha256"] == "9" * 64
+    assert CacheIdentity.from_mapping(given.as_dict()) == given
 
 
 def test_order_and_formatting_do_not_change_namespace() -> None:

@@ -85,8 +85,8 @@ def render_pins(identity: CacheIdentity, *, origin: str) -> str:
         "# and names the field; `kvp-admin identity diff` compares two configurations.",
     ]
     for spec in FIELDS:
-        if spec.name in ENGINE_ONLY:
-            continue
+        if spec.name in ENGINE_ONLY or spec.name not in values:
+            continue  # an optional field at its earlier value: left out, as before it existed
         lines += [f"# {spec.doc}", f"{spec.env}={values[spec.name]}"]
     lines += ["# KVP_BUILD is left to the engine (kvpersist format + LMCache + vLLM versions); "
               "pin it to turn", "# caching off, instead of starting a new namespace, when the "

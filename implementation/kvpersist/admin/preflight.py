@@ -19,6 +19,7 @@ from ..config.server import (
     describe_access,
 )
 from ..identity import FIELDS, IdentityError, load_pins
+from ..identity.fields import OPTIONAL_FIELDS
 from ..serving.lmcache_compat import pins as lmcache_pins
 from ..serving.server.host_memory import MEMINFO, l1_refusal, mem_available_bytes
 from ..serving.server.lifecycle import is_healthy, port_is_free
@@ -265,7 +266,7 @@ def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | No
         try:
             pinned = load_pins(pins)
             missing = [f.env for f in FIELDS if f.name not in pinned
-                       and f.name not in ENGINE_ONLY]
+                       and f.name not in ENGINE_ONLY and f.name not in OPTIONAL_FIELDS]
             checks.append(Check("identity pins", "error" if missing else "ok",
                                 f"{pins}: missing {', '.join(missing)}" if missing else
                                 f"{pins}: every field pinned (the build and the weights "

@@ -165,9 +165,10 @@ ENGINE_FIELDS: dict[str, Decision] = {
         "embedding inputs are content-hashed into the request key like media"
     ),
     "model_config.multimodal_config.media_io_kwargs": PerRequest(_MM_HASH),
-    "model_config.multimodal_config.mm_processor_kwargs": ClosesGate(
-        "engine-level processor kwargs are not in vLLM's mm hash", safe=(None, {}, ())
-    ),
+    "model_config.multimodal_config.mm_processor_kwargs": Namespace(
+        ("mm_processor_kwargs_sha256",),
+        "engine-level processor kwargs are not in vLLM's mm hash, and a model may read them "
+        "in its forward pass (Gemma 4's multimodal LoRA)"),
     "model_config.multimodal_config.mm_device_do_normalize": Neutral(_KERNEL),
     "model_config.multimodal_config.mm_processor_cache_gb": Neutral(_RUNTIME),
     "model_config.multimodal_config.mm_processor_cache_type": Neutral(_RUNTIME),

@@ -39,6 +39,7 @@ class IdentityFlags:
     chat_template: str | None = None
     quantization: str | None = None
     hf_overrides: str | None = None  # JSON text, as vLLM takes it
+    mm_processor_kwargs: str | None = None  # JSON text, as vLLM takes it
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The identity-relevant vLLM flags, spelled as vLLM spells them: read out of a recipe's
@@ -54,6 +55,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q",
                    help="vLLM --quantization (else the checkpoint's quantization_config decides)")
     p.add_argument("--hf-overrides", help="vLLM --hf-overrides (JSON: rope scaling and the like)")
+    p.add_argument("--mm-processor-kwargs",
+                   help="vLLM --mm-processor-kwargs (JSON: the multimodal processor's settings)")
 
 
 def _flag_parser() -> argparse.ArgumentParser:
@@ -81,19 +84,31 @@ def identity_flags(args: str | Sequence[str]) -> IdentityFlags:
                          pipeline_parallel_size=_or_default(known, "pipeline_parallel_size"),
                          max_model_len=known.max_model_len, dtype=known.dtype,
                          kv_cache_dtype=known.kv_cache_dtype, chat_template=known.chat_template,
-                         quantization=known.quantization, hf_overrides=known.hf_overrides)
+                         quantization=known.quantization, hf_overrides=known.hf_overrides,
+                         mm_processor_kwargs=known.mm_processor_kwargs)
+
+def _json_object(flag: str, text: str | None) -> dict[str, object] | None:
+    """A JSON-object flag as the mapping vLLM takes; EngineFlagsError when it is not one."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EngineFlagsError(f"{flag} {text!r} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise EngineFlagsError(f"{flag} {text!r} must be a JSON object")
+    return value
+
 
 def hf_overrides_of(flags: IdentityFlags) -> dict[str, object] | None:
     """``--hf-overrides`` as the mapping vLLM applies; EngineFlagsError when it is not a JSON object."""
-    if flags.hf_overrides is None:
-        return None
-    try:
-        value = json.loads(flags.hf_overrides)
-    except json.JSONDecodeError as exc:
-        raise EngineFlagsError(f"--hf-overrides {flags.hf_overrides!r} is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise EngineFlagsError(f"--hf-overrides {flags.hf_overrides!r} must be a JSON object")
-    return value
+    return _json_object("--hf-overrides", flags.hf_overrides)
+
+
+def mm_processor_kwargs_of(flags: IdentityFlags) -> dict[str, object] | None:
+    """``--mm-processor-kwargs`` as the mapping vLLM applies; EngineFlagsError when it is not a
+    JSON object."""
+    return _json_object("--mm-processor-kwargs", flags.mm_processor_kwargs)
 
 def _or_default(known: argparse.Namespace, name: str) -> int:
     value = getattr(known, name)

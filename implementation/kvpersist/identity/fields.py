@@ -33,6 +33,8 @@ _SHA1_RE = re.compile(r"^[0-9a-f]{40}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 #: Pinned in place of a chat template digest when the model has no chat template at all.
 NO_CHAT_TEMPLATE = "none"
+#: ``mm_processor_kwargs_sha256`` of an engine without engine-level processor kwargs.
+NO_MM_PROCESSOR_KWARGS = "none"
 
 #: Canonical KV-cache dtype names.  ``auto`` is deliberately absent: it is not a dtype.
 _DTYPE_ALIASES: dict[str, str] = {
@@ -91,7 +93,14 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("weights_sha256", "KVP_WEIGHTS_SHA256", "sha256",
               "sha256 over the model folder's files by their bytes (weights, config, tokenizer; "
               "kvpersist.identity.weights_digest)"),
+    FieldSpec("mm_processor_kwargs_sha256", "KVP_MM_PROCESSOR_KWARGS_SHA256", "sha256",
+              "sha256 of the engine-level --mm-processor-kwargs as canonical JSON, or 'none' "
+              "when there are none"),
 )
+#: Fields added after namespaces were in use, with the value every earlier identity had.  At
+#: that value a field is left out of the canonical JSON and of records (so no namespace that
+#: existed before it changes) and filled in when a record lacks it; any other value is in both.
+OPTIONAL_FIELDS: dict[str, str] = {"mm_processor_kwargs_sha256": NO_MM_PROCESSOR_KWARGS}
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 _BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
 BY_ENV: dict[str, FieldSpec] = {f.env: f for f in FIELDS}
@@ -171,6 +180,7 @@ class CacheIdentity:
     quantization: str
     model_config_sha256: str
     weights_sha256: str
+    mm_processor_kwargs_sha256: str = NO_MM_PROCESSOR_KWARGS
 
     def __post_init__(self) -> None:
         for spec in FIELDS:
@@ -181,17 +191,21 @@ class CacheIdentity:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, object]) -> CacheIdentity:
-        """Build from field names; unknown names and missing fields raise IdentityError."""
+        """Build from field names; unknown names and missing fields raise IdentityError (an
+        :data:`OPTIONAL_FIELDS` field that is absent has its earlier value)."""
         for key in values:
             if key not in _BY_NAME:
                 raise IdentityError(key, "is not an identity field")
         for spec in FIELDS:
-            if spec.name not in values:
+            if spec.name not in values and spec.name not in OPTIONAL_FIELDS:
                 raise IdentityError(spec.name, "is missing")
-        return cls(**{name: values[name] for name in FIELD_NAMES})  # type: ignore[arg-type]
+        merged = {**OPTIONAL_FIELDS, **values}
+        return cls(**{name: merged[name] for name in FIELD_NAMES})  # type: ignore[arg-type]
 
     def as_dict(self) -> dict[str, str | int]:
-        return dataclasses.asdict(self)
+        """Every field, except an :data:`OPTIONAL_FIELDS` field at its earlier value."""
+        return {name: value for name, value in dataclasses.asdict(self).items()
+                if OPTIONAL_FIELDS.get(name) != value}
 
     def canonical_json(self) -> str:
         return json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -206,10 +220,11 @@ class CacheIdentity:
 
 
 def diff_identities(a: Mapping[str, object], b: Mapping[str, object]) -> list[tuple[str, object, object]]:
-    """Fields whose canonical values differ between two (possibly partial) field mappings."""
+    """Fields whose canonical values differ between two (possibly partial) field mappings (an
+    absent :data:`OPTIONAL_FIELDS` field is at its earlier value, as a record leaves it)."""
     out: list[tuple[str, object, object]] = []
     for name in FIELD_NAMES:
-        va, vb = a.get(name), b.get(name)
+        va, vb = a.get(name, OPTIONAL_FIELDS.get(name)), b.get(name, OPTIONAL_FIELDS.get(name))
         ca: object
         cb: object
         try:

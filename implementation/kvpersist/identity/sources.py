@@ -18,11 +18,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .fields import NO_CHAT_TEMPLATE
+from .fields import NO_CHAT_TEMPLATE, NO_MM_PROCESSOR_KWARGS
+from .quantization import NO_QUANTIZATION, engine_quantization
 from .weights_digest import FileDigestCache, default_cache_dir, weights_digest
-
-#: The ``quantization`` field of an unquantized model.
-NO_QUANTIZATION = "none"
 
 #: Bumped whenever the on-disk format or the key derivation of kvpersist changes.
 KVPERSIST_FORMAT_VERSION = 2
@@ -166,27 +164,32 @@ def read_model_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def checkpoint_quantization(cfg: Mapping[str, Any]) -> str:
-    """The weight quantization a checkpoint declares (``quantization_config.quant_method``;
-    vLLM's ``--quantization`` overrides it), or ``none``."""
-    for holder in (cfg, _text_config(cfg)):
-        qcfg = holder.get("quantization_config")
-        if isinstance(qcfg, Mapping):
-            method = qcfg.get("quant_method")
-            return str(method).lower() if method else "unknown"
-    return NO_QUANTIZATION
+def mm_processor_kwargs_digest(kwargs: Mapping[str, Any] | None) -> str:
+    """``mm_processor_kwargs_sha256``: sha256 of the engine-level ``--mm-processor-kwargs``
+    as canonical JSON, ``none`` when there are none.  ValueError for values JSON cannot hold
+    (an object passed through Python's API), which no digest may stand for."""
+    if not kwargs:
+        return NO_MM_PROCESSOR_KWARGS
+    try:
+        text = json.dumps(dict(kwargs), sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the engine's mm_processor_kwargs cannot be digested: {exc}") from None
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def from_model_folder(folder: str | Path, *, kv_cache_dtype: str = "auto", dtype: str = "auto",
                       quantization: str | None = None,
                       hf_overrides: Mapping[str, Any] | None = None,
+                      mm_processor_kwargs: Mapping[str, Any] | None = None,
                       digests: FileDigestCache | None = None,
                       progress: Callable[[int], None] | None = None) -> dict[str, object]:
     """Fields readable from a local HF-style model folder, served with the given vLLM flags.
 
     ``dtype="auto"`` is the weights' dtype from config.json, and ``kv_cache_dtype="auto"`` is
     the model's dtype, as vLLM resolves them.  ``quantization`` is ``--quantization`` (else the
-    checkpoint's), ``hf_overrides`` is ``--hf-overrides``.  Model id and revision are reported
+    checkpoint's, resolved as vLLM resolves it), ``hf_overrides`` is ``--hf-overrides`` and
+    ``mm_processor_kwargs`` ``--mm-processor-kwargs``.  Model id and revision are reported
     only for folders inside the HF cache layout.  Raises ValueError when config.json is missing
     or unreadable.
     """
@@ -201,9 +204,9 @@ def from_model_folder(folder: str | Path, *, kv_cache_dtype: str = "auto", dtype
     resolved = resolved_kv_cache_dtype(kv_cache_dtype, model_dtype)
     if resolved is not None:
         out["kv_cache_dtype"] = resolved
-    out["quantization"] = (quantization.lower() if quantization
-                           else checkpoint_quantization(cfg))
+    out["quantization"] = engine_quantization(cfg, quantization)
     out["model_config_sha256"] = model_config_digest(cfg, hf_overrides)
+    out["mm_processor_kwargs_sha256"] = mm_processor_kwargs_digest(mm_processor_kwargs)
     try:
         out["weights_sha256"] = weights_digest(
             path, digests if digests is not None else FileDigestCache(default_cache_dir()),
@@ -251,6 +254,11 @@ def from_vllm_config(vllm_config: Any, *, chat_template_file: str | None = None,
         out["build"] = build
     out["model_dtype"] = _resolved_dtype_name(mc.dtype)
     out["quantization"] = str(mc.quantization).lower() if mc.quantization else NO_QUANTIZATION
+    try:
+        out["mm_processor_kwargs_sha256"] = mm_processor_kwargs_digest(getattr(
+            getattr(mc, "multimodal_config", None), "mm_processor_kwargs", None))
+    except ValueError as exc:  # a value the pins' 'none' must not stand in for: caching off
+        out["mm_processor_kwargs_sha256"] = f"undigestable ({exc})"
     config_digest = engine_model_config_digest(mc)
     if config_digest is not None:
         out["model_config_sha256"] = config_digest

@@ -29,6 +29,7 @@ from ...identity.engine_flags import (
     add_engine_flags,
     hf_overrides_of,
     identity_flags,
+    mm_processor_kwargs_of,
 )
 from ...identity.records import list_records, read_record
 from ...identity.sources import (
@@ -97,7 +98,8 @@ def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
             live.update(from_model_folder(
                 folder, kv_cache_dtype=flags.kv_cache_dtype or "auto",
                 dtype=flags.dtype or "auto", quantization=flags.quantization,
-                hf_overrides=hf_overrides_of(flags), progress=progress))
+                hf_overrides=hf_overrides_of(flags),
+                mm_processor_kwargs=mm_processor_kwargs_of(flags), progress=progress))
     template_text = None
     if flags.chat_template:
         try:
