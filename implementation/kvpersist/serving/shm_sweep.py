@@ -20,15 +20,20 @@ Invariants
   ``unlink`` drops the name, the pages go when the last mapping does.
 * Runs when kvpersist starts or stops a server and when ``kvp-vllm`` starts vLLM, so what
   earlier runs left is gone before the next one allocates its own.
-* Python's default-named segments (``psm_<8 hex>``, ``multiprocessing.shared_memory``) carry
-  no pid: vLLM's message queues (``ShmRingBuffer``, 16-24 MiB each, one per executor and
-  worker) make them, and a process group killed with SIGKILL (the resource tracker with it)
-  leaves them.  Named semaphores (``sem.mp-*``, 32 bytes each) are left alone: glibc maps a
-  semaphore under a temporary name, so one in use cannot be told from an orphan.  Segments
-  are removed only when this account owns them, every process is in view, no process maps
-  or holds them open, and they are older than a grace period
-  (:data:`PYTHON_SEGMENT_GRACE_S`) or were made by a run the caller itself ended (``only``;
-  another run beside it maps its own queues from the moment it makes them).
+* Segments that carry no pid (:func:`python_segments`): Python's default-named segments
+  (``psm_<8 hex>``, ``multiprocessing.shared_memory``: vLLM's message queues, 16-24 MiB each,
+  one per executor and worker), ``multiprocessing``'s named semaphores (``sem.mp-<8>``, made
+  for its spawn-context locks and queues) and vLLM's CPU communicator buffers for tensor and
+  pipeline parallelism (``vllm_dist_<32 hex>-<group>-cpushm_<rank>``, 4 MiB each).  A process
+  group killed with SIGKILL (the resource tracker with it) leaves the first two; TP and PP
+  engines stopped here left the third.  They are removed only when this account owns
+  them, every process is in view, no process maps or holds them open, and they are older
+  than a grace period (:data:`PYTHON_SEGMENT_GRACE_S`) or were made by a run the caller
+  itself ended (``only``; another run beside it maps its own from the moment it makes them).
+* "In use" is decided by the file, not only by its name: glibc maps a new semaphore under a
+  temporary name (``sem.XXXXXX``, then linked to its own name and unlinked), so its creator's
+  maps show another name for the same inode.  A file whose inode any process maps or holds
+  open is in use whatever name shows.
 """
 
 from __future__ import annotations
@@ -45,10 +50,15 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_NAME = re.compile(r"^lmcache_kv_(?P<pid>[0-9]+)_[0-9]+$")
-#: Python's default name of a ``multiprocessing.shared_memory`` segment.  (Named semaphores,
-#: ``sem.mp-*``, are never touched: glibc maps them under a temporary name, so a semaphore in
-#: use shows in no process's maps and could not be told from an orphan.)
+#: Python's default name of a ``multiprocessing.shared_memory`` segment.
 PYTHON_SEGMENT_NAME = re.compile(r"^psm_[0-9a-f]{8}$")
+#: ``multiprocessing``'s named semaphores (``/mp-`` and 8 of ``[a-z0-9_]``, in ``/dev/shm`` as
+#: ``sem.mp-...``).
+SEMAPHORE_NAME = re.compile(r"^sem\.mp-[a-z0-9_]{8}$")
+#: vLLM's CPU shared-memory communicator (``csrc/cpu/shm.cpp``) of a TP or PP group.
+VLLM_CPU_COMM_NAME = re.compile(r"^vllm_dist_[0-9a-f]{32}-.+-cpushm_[0-9]+$")
+#: Every pid-less name :func:`sweep_python_segments` may remove.
+PIDLESS_NAMES = (PYTHON_SEGMENT_NAME, SEMAPHORE_NAME, VLLM_CPU_COMM_NAME)
 #: How old an unmapped Python segment must be before a sweep that did not end its run takes it.
 PYTHON_SEGMENT_GRACE_S = 600.0
 #: The inode of the initial pid namespace (the kernel's ``PROC_PID_INIT_INO``).
@@ -83,24 +93,42 @@ def sees_every_process() -> bool:
 
 
 def segments_in_use(shm_dir: Path = SHM_DIR) -> set[str]:
-    """Names under ``shm_dir`` that a process in view maps or holds open (processes of other
-    accounts are skipped where they cannot be read: they cannot be the owner of this account's
-    segments, which are created with mode 0600)."""
+    """Names under ``shm_dir`` that a process in view maps or holds open, by name or by inode
+    (module invariants; processes of other accounts are skipped where they cannot be read:
+    they cannot be the owner of this account's segments, which are created with mode 0600)."""
     prefix = str(shm_dir) + "/"
+    try:
+        device = os.stat(shm_dir).st_dev
+    except OSError:
+        return set()
     used: set[str] = set()
+    inodes: set[int] = set()
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", encoding="utf-8",
                                                 errors="replace") as maps:
             for line in maps:
                 at = line.find(prefix)
-                if at >= 0:
-                    used.add(line[at + len(prefix):].split()[0])
+                if at < 0:
+                    continue
+                used.add(line[at + len(prefix):].split()[0])
+                fields = line.split(maxsplit=5)  # address perms offset dev inode path
+                major, _, minor = fields[3].partition(":")
+                with contextlib.suppress(ValueError):
+                    if os.makedev(int(major, 16), int(minor, 16)) == device:
+                        inodes.add(int(fields[4]))
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if target.startswith(prefix):
                         used.add(target[len(prefix):].split()[0])
+                        st = os.stat(f"/proc/{pid}/fd/{fd}")
+                        if st.st_dev == device:
+                            inodes.add(st.st_ino)
+    if inodes:
+        with contextlib.suppress(OSError):
+            used.update(e.name for e in os.scandir(shm_dir)
+                        if e.inode() in inodes and not e.is_dir(follow_symlinks=False))
     return used
 
 
@@ -147,9 +175,11 @@ def sweep_stale_segments(shm_dir: Path = SHM_DIR) -> Swept:
 
 
 def python_segments(shm_dir: Path = SHM_DIR) -> set[str]:
-    """Names of Python's default-named segments and semaphores under ``shm_dir``."""
+    """Names under ``shm_dir`` that carry no pid (:data:`PIDLESS_NAMES`: Python's segments
+    and semaphores, vLLM's CPU communicator buffers)."""
     try:
-        return {e.name for e in os.scandir(shm_dir) if PYTHON_SEGMENT_NAME.match(e.name)}
+        return {e.name for e in os.scandir(shm_dir)
+                if any(pattern.match(e.name) for pattern in PIDLESS_NAMES)}
     except OSError:
         return set()
 
@@ -185,6 +215,7 @@ def sweep_python_segments(shm_dir: Path = SHM_DIR, *, only: set[str] | None = No
             total += size
     swept = Swept(removed, total)
     if removed:
-        logger.info("kvpersist: removed %d orphaned Python shared-memory segment(s) (%.2f GiB)",
+        logger.info("kvpersist: removed %d orphaned shared-memory name(s) of Python and vLLM "
+                    "(%.2f GiB)",
                     removed, total / 2**30)
     return swept

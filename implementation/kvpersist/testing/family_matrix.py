@@ -28,13 +28,20 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..config.server import load_settings
 from ..demo.stack import VllmProcess, chat, long_conversation, metric_sum
-from ..demo.tiny_families import Family, add_families_argument, build_family, chosen_families
+from ..demo.tiny_families import (
+    FAMILIES,
+    Family,
+    add_families_argument,
+    build_family,
+    chosen_families,
+)
 from ..identity.fields import NAMESPACE_IN_TEXT
 from ..l2.layout import sanitize_model_name
-from ..serving.launcher.vllm_client import ChatResult
+from ..serving.launcher.vllm_client import ChatResult, complete
 from ..serving.server.lifecycle import start_server, stop_server
 from .helpers import l2_files, server_env
 
@@ -81,6 +88,11 @@ def _vllm(family: Family, snapshot: Path, pins: Path, log: Path, env: dict[str, 
     return VllmProcess(snapshot, pins, log, env, dtype=family.dtype,
                        extra_args=["--block-size", str(family.block_size),
                                    "--no-enable-prefix-caching", *family.extra_args])
+
+
+def as_text(messages: list[dict[str, str]]) -> str:
+    """A chat as one completion prompt (``role: content`` lines)."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 def _gate_line(log: Path) -> str:
@@ -131,7 +143,10 @@ def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyR
                     vllm.start()
                     # a chat of its own per family: recipes of one checkpoint share nothing
                     messages = long_conversation(1000, f"the {family.name} family")
-                    answer = chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
+                    answer = (chat(vllm.base_url, messages, timeout=REQUEST_TIMEOUT)
+                              if family.api == "chat" else
+                              complete(vllm.base_url, as_text(messages),
+                                       timeout=REQUEST_TIMEOUT))
                     hits = metric_sum(vllm.metrics(), HITS)
                 except Exception as exc:
                     result.problems.append(f"round {round_no}: {type(exc).__name__}: {exc}")
@@ -183,6 +198,22 @@ def _judge_restored(result: FamilyResult, cold: ChatResult, warm: ChatResult,
                                f"{warm.logprobs[:3]} vs {cold.tokens[:3]} {cold.logprobs[:3]}")
 
 
+def write_results(path: Path, results: list[FamilyResult], today: str) -> None:
+    """Record ``results`` in ``path``, each with the date it was measured; the families a
+    partial run did not run keep their earlier result and date.  Listed in FAMILIES order."""
+    kept: dict[str, dict[str, Any]] = {}
+    if path.exists():
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+        for old in earlier.get("results", []):
+            kept[old["family"]] = {"date": earlier.get("date"), **old}
+    for r in results:
+        kept[r.family] = {"date": today, **asdict(r), "passed": r.passed}
+    order = {name: i for i, name in enumerate(FAMILIES)}
+    rows = sorted(kept.values(), key=lambda row: order.get(row["family"], len(order)))
+    path.write_text(json.dumps({"date": max(str(row["date"]) for row in rows),
+                                "results": rows}, indent=2) + "\n", encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kvpersist.testing.family_matrix",
@@ -204,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         for problem in r.problems:
             print(f"      {problem}")
     if args.json:
-        args.json.write_text(json.dumps({
-            "date": datetime.date.today().isoformat(),
-            "results": [asdict(r) | {"passed": r.passed} for r in results]}, indent=2) + "\n")
+        write_results(args.json, results, datetime.date.today().isoformat())
     return 0 if all(r.passed for r in results) else 1
 
 

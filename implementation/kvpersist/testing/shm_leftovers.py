@@ -1,9 +1,10 @@
 """The test suite's own check that it leaves no shared memory behind (``scripts/test.sh``).
 
 ``snapshot FILE`` records the shared-memory names present before the run; ``check FILE`` lists
-those that appeared since and that no process uses (Python's ``psm_*``, vLLM's message queues;
-LMCache's ``lmcache_kv_*``), and exits 1 naming them.  A name a live process
-still maps or holds open is not a leftover (a concurrent run's); anything else is one.
+those that appeared since and that no process uses, and exits 1 naming them: Python's
+``psm_*`` and ``sem.mp-*``, vLLM's message queues and CPU communicator buffers, LMCache's
+``lmcache_kv_*``.  A name a live process still maps or holds open (by name or inode) is not a
+leftover (a concurrent run's); anything else is one.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import os
 import sys
 from pathlib import Path
 
-from ..serving.shm_sweep import PYTHON_SEGMENT_NAME, SEGMENT_NAME, SHM_DIR, segments_in_use
+from ..serving.shm_sweep import PIDLESS_NAMES, SEGMENT_NAME, SHM_DIR, segments_in_use
 
 
 def ours(shm_dir: Path = SHM_DIR) -> set[str]:
     """Shared-memory names kvpersist's stack makes (or makes happen) under ``shm_dir``."""
     try:
         return {name for name in os.listdir(shm_dir)
-                if PYTHON_SEGMENT_NAME.match(name) or SEGMENT_NAME.match(name)}
+                if SEGMENT_NAME.match(name) or any(p.match(name) for p in PIDLESS_NAMES)}
     except OSError:
         return set()
 

@@ -146,6 +146,27 @@ def chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: int = 16,
     )
 
 
+
+def complete(base_url: str, prompt: str, *, max_tokens: int = 16, timeout: float = 120.0,
+             model: str | None = None) -> ChatResult:
+    """One text completion (``/v1/completions``) at temperature 0 with logprobs, for models
+    whose chat format the server renders with tokens of its own (gpt-oss's harmony)."""
+    body = {"model": model or served_model(base_url), "prompt": prompt,
+            "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1, "seed": 0}
+    began = time.monotonic()
+    reply = http_json(base_url + "/v1/completions", body, timeout=timeout)
+    choice = reply["choices"][0]
+    logprobs = choice["logprobs"]
+    return ChatResult(
+        text=choice["text"],
+        tokens=list(logprobs["tokens"]),
+        logprobs=[float(v) for v in logprobs["token_logprobs"]],
+        prompt_tokens=int(reply["usage"]["prompt_tokens"]),
+        seconds=time.monotonic() - began,
+        cached_tokens=int((reply["usage"].get("prompt_tokens_details") or {})
+                          .get("cached_tokens") or 0),
+    )
+
 @dataclass
 class VllmServer:
     """vLLM's OpenAI server run as ``command`` with ``env`` (its log at ``log_path``), listening on
