@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -117,13 +118,45 @@ def test_orphaned_python_segments_go_only_when_unused_and_old_or_of_an_ended_run
         assert not young.exists() and held.exists() and unrelated.exists()
 
 
+#: The tail of a script that made a shared-memory name and printed it: with ``die`` it is
+#: SIGKILLed (its resource tracker never ran), else it lives until its stdin closes.
+_DIE_OR_LIVE = ("if sys.argv[1] == 'die':\n"
+                "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                "sys.stdin.read()\n")
+
+
+@contextlib.contextmanager
+def _orphan_and_held(make: str) -> Iterator[tuple[str, str, int]]:
+    """Run ``make`` (which prints the name it made) twice: the name a SIGKILLed run left,
+    the name a live run holds, and the live run's pid (alive inside the block)."""
+    import signal
+
+    script = make + _DIE_OR_LIVE
+    dying = subprocess.run([sys.executable, "-c", script, "die"], capture_output=True,
+                           text=True, timeout=60)
+    assert dying.returncode == -signal.SIGKILL
+    orphan = dying.stdout.strip()
+    live = subprocess.Popen([sys.executable, "-c", script, "live"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    held = ""
+    try:
+        assert live.stdout is not None
+        held = live.stdout.readline().strip()
+        assert (SHM_DIR / orphan).exists() and (SHM_DIR / held).exists()
+        yield orphan, held, live.pid
+    finally:
+        live.communicate("", timeout=30)
+        for name in (orphan, held):
+            if name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(SHM_DIR / name)
+
+
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
 def test_a_real_semaphore_in_use_under_its_temporary_name_stays_and_an_orphan_goes() -> None:
     """``multiprocessing``'s spawn-context locks are named semaphores.  Their creator maps
     one under glibc's temporary name (``sem.XXXXXX (deleted)``), never ``sem.mp-*``: the
     inode tells it is in use.  A creator SIGKILLed with its resource tracker leaves it."""
-    import signal
-
     from kvpersist.serving.shm_sweep import sweep_python_segments
 
     make = ("import multiprocessing as mp, os, signal, sys\n"
@@ -131,61 +164,24 @@ def test_a_real_semaphore_in_use_under_its_temporary_name_stays_and_an_orphan_go
             "lock = mp.get_context('spawn').Lock()\n"
             "name = lock._semlock.name\n"
             "resource_tracker.unregister(name, 'semaphore')\n"
-            "print('sem.' + name.lstrip('/'), flush=True)\n"
-            "if sys.argv[1] == 'die':\n"
-            "    os.kill(os.getpid(), signal.SIGKILL)\n"
-            "sys.stdin.read()\n")
-    dying = subprocess.run([sys.executable, "-c", make, "die"], capture_output=True, text=True,
-                           timeout=60)
-    assert dying.returncode == -signal.SIGKILL
-    orphan = dying.stdout.strip()
-    live = subprocess.Popen([sys.executable, "-c", make, "live"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert live.stdout is not None
-        held = live.stdout.readline().strip()
-        assert (SHM_DIR / orphan).exists() and (SHM_DIR / held).exists()
-        maps = Path(f"/proc/{live.pid}/maps").read_text()
-        assert held not in maps  # mapped under another name: only the inode shows it
-        swept = sweep_python_segments(only={orphan, held})
-        assert swept.segments == 1
+            "print('sem.' + name.lstrip('/'), flush=True)\n")
+    with _orphan_and_held(make) as (orphan, held, pid):
+        assert held not in Path(f"/proc/{pid}/maps").read_text()  # only the inode shows it
+        assert sweep_python_segments(only={orphan, held}).segments == 1
         assert not (SHM_DIR / orphan).exists() and (SHM_DIR / held).exists()
-    finally:
-        live.communicate("", timeout=30)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(SHM_DIR / held)
 
 
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
 def test_a_real_python_segment_of_a_killed_process_goes_and_a_live_one_stays() -> None:
     """Real ``multiprocessing.shared_memory`` segments: one whose process was SIGKILLed (its
     resource tracker with it: nothing unlinked it), one a live process maps."""
-    import signal
-
     from kvpersist.serving.shm_sweep import sweep_python_segments
 
     make = ("import os, signal, sys\n"
             "from multiprocessing import resource_tracker, shared_memory\n"
             "m = shared_memory.SharedMemory(create=True, size=1 << 16)\n"
             "resource_tracker.unregister(m._name, 'shared_memory')\n"
-            "print(m.name, flush=True)\n"
-            "if sys.argv[1] == 'die':\n"
-            "    os.kill(os.getpid(), signal.SIGKILL)\n"
-            "sys.stdin.read()\n")
-    dying = subprocess.run([sys.executable, "-c", make, "die"], capture_output=True, text=True,
-                           timeout=60)
-    assert dying.returncode == -signal.SIGKILL
-    orphan = dying.stdout.strip()
-    live = subprocess.Popen([sys.executable, "-c", make, "live"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert live.stdout is not None
-        held = live.stdout.readline().strip()
-        assert (SHM_DIR / orphan).exists() and (SHM_DIR / held).exists()
-        swept = sweep_python_segments(only={orphan, held})
-        assert swept.segments == 1
+            "print(m.name, flush=True)\n")
+    with _orphan_and_held(make) as (orphan, held, _):
+        assert sweep_python_segments(only={orphan, held}).segments == 1
         assert not (SHM_DIR / orphan).exists() and (SHM_DIR / held).exists()
-    finally:
-        live.communicate("", timeout=30)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(SHM_DIR / held)

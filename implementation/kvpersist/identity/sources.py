@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .fields import NO_CHAT_TEMPLATE, NO_MM_PROCESSOR_KWARGS
-from .quantization import NO_QUANTIZATION, engine_quantization
+from .quantization import NO_QUANTIZATION, QuantizationResolver, engine_quantization
 from .weights_digest import FileDigestCache, default_cache_dir, weights_digest
 
 #: Bumped whenever the on-disk format or the key derivation of kvpersist changes.
@@ -182,16 +182,17 @@ def from_model_folder(folder: str | Path, *, kv_cache_dtype: str = "auto", dtype
                       quantization: str | None = None,
                       hf_overrides: Mapping[str, Any] | None = None,
                       mm_processor_kwargs: Mapping[str, Any] | None = None,
+                      resolve_quantization: QuantizationResolver | None = None,
                       digests: FileDigestCache | None = None,
                       progress: Callable[[int], None] | None = None) -> dict[str, object]:
     """Fields readable from a local HF-style model folder, served with the given vLLM flags.
 
     ``dtype="auto"`` is the weights' dtype from config.json, and ``kv_cache_dtype="auto"`` is
     the model's dtype, as vLLM resolves them.  ``quantization`` is ``--quantization`` (else the
-    checkpoint's, resolved as vLLM resolves it), ``hf_overrides`` is ``--hf-overrides`` and
-    ``mm_processor_kwargs`` ``--mm-processor-kwargs``.  Model id and revision are reported
-    only for folders inside the HF cache layout.  Raises ValueError when config.json is missing
-    or unreadable.
+    checkpoint's, resolved by ``resolve_quantization`` as the engine does), ``hf_overrides``
+    is ``--hf-overrides`` and ``mm_processor_kwargs`` ``--mm-processor-kwargs``.  Model id and
+    revision are reported only for folders inside the HF cache layout.  Raises ValueError when
+    config.json is missing or unreadable.
     """
     path = Path(folder)
     cfg = read_model_config(path / "config.json")
@@ -204,7 +205,7 @@ def from_model_folder(folder: str | Path, *, kv_cache_dtype: str = "auto", dtype
     resolved = resolved_kv_cache_dtype(kv_cache_dtype, model_dtype)
     if resolved is not None:
         out["kv_cache_dtype"] = resolved
-    out["quantization"] = engine_quantization(cfg, quantization)
+    out["quantization"] = engine_quantization(cfg, quantization, resolve_quantization)
     out["model_config_sha256"] = model_config_digest(cfg, hf_overrides)
     out["mm_processor_kwargs_sha256"] = mm_processor_kwargs_digest(mm_processor_kwargs)
     try:

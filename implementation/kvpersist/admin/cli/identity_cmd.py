@@ -40,6 +40,7 @@ from ...identity.sources import (
     hf_snapshot_origin,
 )
 from ...identity.weights_digest import FileDigestCache, default_cache_dir, folder_bytes, weights_digest
+from .. import vllm_quantization
 from ..pins_writer import (
     TOKENIZER_FILES,
     PinsError,
@@ -99,7 +100,8 @@ def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
                 folder, kv_cache_dtype=flags.kv_cache_dtype or "auto",
                 dtype=flags.dtype or "auto", quantization=flags.quantization,
                 hf_overrides=hf_overrides_of(flags),
-                mm_processor_kwargs=mm_processor_kwargs_of(flags), progress=progress))
+                mm_processor_kwargs=mm_processor_kwargs_of(flags),
+                resolve_quantization=vllm_quantization.resolve, progress=progress))
     template_text = None
     if flags.chat_template:
         try:

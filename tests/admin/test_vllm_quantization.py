@@ -1,6 +1,7 @@
 """The pins writer's ``quantization`` equals what vLLM's own engine configuration resolves for
 the same checkpoint: a real ``vllm.config.ModelConfig`` is built for each config below (no
-weights are needed) and compared with :func:`engine_quantization`."""
+weights are needed) and compared with :func:`engine_quantization` given the admin layer's
+vLLM resolver (the one ``write-pins`` hands it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvpersist.admin.vllm_quantization import resolve
 from kvpersist.identity.quantization import checkpoint_quantization, engine_quantization
 
 _LLAMA: dict[str, Any] = {
@@ -53,20 +55,22 @@ def test_the_pins_writer_resolves_quantization_as_the_engine_does(tmp_path: Path
     (tmp_path / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
     engine = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), skip_tokenizer_init=True)
     expected = str(engine.quantization).lower() if engine.quantization else "none"
-    assert engine_quantization(copy.deepcopy(cfg)) == expected
+    assert engine_quantization(copy.deepcopy(cfg), resolve=resolve) == expected
     # the declared name alone (what the pins writer wrote before) is wrong exactly here
     assert (checkpoint_quantization(cfg) != expected) == renamed
 
 
 def test_an_explicit_quantization_is_resolved_too() -> None:
-    assert engine_quantization(_LLAMA, "FP8") == "fp8"
-    assert engine_quantization(_GPT_OSS, "mxfp4") == "gpt_oss_mxfp4"
+    assert engine_quantization(_LLAMA, "FP8", resolve) == "fp8"
+    assert engine_quantization(_GPT_OSS, "mxfp4", resolve) == "gpt_oss_mxfp4"
 
 
 def test_without_vllm_the_declared_name_is_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
     monkeypatch.setitem(sys.modules, "vllm.config.model", None)  # import fails
-    assert engine_quantization(_GPT_OSS) == "mxfp4"
-    assert engine_quantization(_LLAMA) == "none"
-    assert engine_quantization(_LLAMA, "FP8") == "fp8"
+    assert resolve({"quant_method": "mxfp4"}, None, _GPT_OSS) is None
+    assert engine_quantization(_GPT_OSS, resolve=resolve) == "mxfp4"
+    assert engine_quantization(_LLAMA, resolve=resolve) == "none"
+    assert engine_quantization(_LLAMA, "FP8", resolve) == "fp8"
+    assert engine_quantization(_GPT_OSS) == "mxfp4"  # no resolver: the declared name
