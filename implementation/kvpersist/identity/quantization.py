@@ -30,14 +30,10 @@ from typing import Any
 NO_QUANTIZATION = "none"
 
 
-def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
-    text = cfg.get("text_config")
-    return text if isinstance(text, Mapping) else {}
-
-
 def checkpoint_quant_config(cfg: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The checkpoint's ``quantization_config`` (top level, else its text config's), or None."""
-    for holder in (cfg, _text_config(cfg)):
+    text = cfg.get("text_config")
+    for holder in (cfg, text if isinstance(text, Mapping) else {}):
         qcfg = holder.get("quantization_config")
         if isinstance(qcfg, Mapping):
             return qcfg

@@ -101,11 +101,13 @@ def write_pins(family: Family, snapshot: Path, out: Path) -> Path:
     return out
 
 
-def _vllm(family: Family, snapshot: Path, pins: Path, log: Path, env: dict[str, str]
-          ) -> VllmProcess:
+def _vllm(family: Family, snapshot: Path, pins: Path, log: Path, env: dict[str, str],
+          *, prefix_cache: bool = False) -> VllmProcess:
+    """The family's recipe through ``kvp-vllm``; vLLM's own prefix cache off unless asked."""
     return VllmProcess(snapshot, pins, log, env, dtype=family.dtype,
                        extra_args=["--block-size", str(family.block_size),
-                                   "--no-enable-prefix-caching", *family.extra_args])
+                                   "--enable-prefix-caching" if prefix_cache
+                                   else "--no-enable-prefix-caching", *family.extra_args])
 
 
 def as_text(messages: list[dict[str, str]]) -> str:
@@ -218,10 +220,8 @@ def _prefix_cache_answers(family: Family, snapshot: Path, pins: Path, work: Path
                           env: dict[str, str]) -> tuple[ChatResult, ChatResult]:
     """The chat asked twice of one engine with its prefix cache on and kvpersist bypassed:
     its cold answer, then its answer from its own prefix cache (a hit on the first)."""
-    vllm = VllmProcess(snapshot, pins, work / f"vllm-{family.name}-prefix-cache.log",
-                       {**env, "KVP_CACHE_BYPASS": "1"}, dtype=family.dtype,
-                       extra_args=["--block-size", str(family.block_size),
-                                   "--enable-prefix-caching", *family.extra_args])
+    vllm = _vllm(family, snapshot, pins, work / f"vllm-{family.name}-prefix-cache.log",
+                 {**env, "KVP_CACHE_BYPASS": "1"}, prefix_cache=True)
     try:
         vllm.start()
         first = _ask(family, vllm.base_url)

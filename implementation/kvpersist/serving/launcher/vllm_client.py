@@ -141,10 +141,13 @@ def chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: int = 16,
         logprobs=[float(c["logprob"]) for c in content],
         prompt_tokens=int(reply["usage"]["prompt_tokens"]),
         seconds=time.monotonic() - began,
-        cached_tokens=int((reply["usage"].get("prompt_tokens_details") or {})
-                          .get("cached_tokens") or 0),
+        cached_tokens=_cached_tokens(reply["usage"]),
     )
 
+
+def _cached_tokens(usage: dict[str, Any]) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` (0 when vLLM leaves it out)."""
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 def complete(base_url: str, prompt: str, *, max_tokens: int = 16, timeout: float = 120.0,
@@ -163,9 +166,9 @@ def complete(base_url: str, prompt: str, *, max_tokens: int = 16, timeout: float
         logprobs=[float(v) for v in logprobs["token_logprobs"]],
         prompt_tokens=int(reply["usage"]["prompt_tokens"]),
         seconds=time.monotonic() - began,
-        cached_tokens=int((reply["usage"].get("prompt_tokens_details") or {})
-                          .get("cached_tokens") or 0),
+        cached_tokens=_cached_tokens(reply["usage"]),
     )
+
 
 @dataclass
 class VllmServer:
