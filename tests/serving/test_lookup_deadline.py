@@ -183,11 +183,25 @@ def status_server() -> Iterator[tuple[str, dict[str, Any]]]:
         server.shutdown()
 
 
+class _LookRecordingDeadline(LookupDeadline):
+    """A real deadline that also notes when each look began (before the deadline notes it, so
+    a noted time is never later than the one the deadline judges from)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.looks: list[float] = []
+
+    def looked(self) -> None:
+        self.looks.append(time.monotonic())
+        super().looked()
+
+
 @pytest.mark.serial  # the probe's 0.5 s timeout needs a core
 def test_the_probe_sees_progress_and_its_absence(status_server: tuple[str, dict[str, Any]]
                                                  ) -> None:
     url, state = status_server
-    deadline = LookupDeadline(stall_s=0.8, max_s=60, blind_s=3.0)
+    blind_s = 3.0
+    deadline = _LookRecordingDeadline(stall_s=0.8, max_s=60, blind_s=blind_s)
     probe = ServerProgressProbe(url, deadline, interval_s=0.1, timeout_s=0.5)
     try:
         deadline.begin("r")
@@ -205,12 +219,18 @@ def test_the_probe_sees_progress_and_its_absence(status_server: tuple[str, dict[
         state["read_bytes"] += 1
         # every probe times out (0.5 s): an unanswered poll is no look, so nothing is judged
         # while the probe is blind (a CPU-starved server reading its disk answers late) ...
-        began = time.monotonic()
         time.sleep(1.5)
-        assert deadline.verdict("s", healthy=True) is None
-        # ... until blind_s (3 s) passed without an answer: then judged up to now, stalled
+        verdict = deadline.verdict("s", healthy=True)
+        asked_at = time.monotonic()
+        assert deadline.looks, "the probe never saw an answer"
+        assert verdict is None or asked_at - deadline.looks[-1] > blind_s, (
+            f"judged {verdict} only {asked_at - deadline.looks[-1]:.2f}s after the last look")
+        # ... until blind_s (3 s) passed since the last answered look: then judged up to now
         wait_until(lambda: "stalled" in str(deadline.verdict("s", healthy=True)), timeout=10,
                    interval=0.05, message="a hung server was never judged stalled")
-        assert time.monotonic() - began >= 3.0
+        judged_at = time.monotonic()
+        assert judged_at - deadline.looks[-1] > blind_s, (
+            f"judged stalled {judged_at - deadline.looks[-1]:.2f}s after the last answered look, "
+            f"before blind_s ({blind_s}s)")
     finally:
         probe.close()
