@@ -187,3 +187,43 @@ def test_a_symlinked_root_is_resolved_once_and_its_store_scans(tmp_path: Path) -
         assert store.scan_error is None and store.scan_done and store.check() == []
     finally:
         store.close()
+
+
+def test_extra_roots_reach_the_adapter_resolved_and_each_root_its_share(tmp_path: Path) -> None:
+    from kvpersist.config.adapters import l2_adapter_config
+
+    (tmp_path / "nvme0").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "nvme0")
+    settings = load_settings({"KVP_CACHE_ROOT": str(tmp_path / "nvme0" / "kv"),
+                              "KVP_CACHE_BUDGET_GB": "3",
+                              "KVP_CACHE_EXTRA_ROOTS": f"{tmp_path}/nvme1/kv: {tmp_path}/nvme2/kv"})
+    assert settings.extra_roots == (tmp_path / "nvme1" / "kv", tmp_path / "nvme2" / "kv")
+    params = l2_adapter_config(settings)["adapter_params"]
+    config = KvPersistL2AdapterConfig.from_dict(params)
+    assert config.extra_paths == (f"{tmp_path}/nvme1/kv", f"{tmp_path}/nvme2/kv")
+    assert config.max_capacity_gb == 3  # split in equal shares by the adapter
+    assert "extra_paths" not in l2_adapter_config(
+        load_settings({"KVP_CACHE_ROOT": str(tmp_path / "one")}))["adapter_params"]
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ("relative/kv", "is not an absolute path"),
+    ("{tmp}/nvme0/kv", "overlap"),
+    ("{tmp}/link/kv", "overlap"),  # the same directory through a symlink
+    ("{tmp}/nvme0/kv/inner", "overlap"),
+    ("{tmp}/nvme1:{tmp}/nvme1", "overlap"),
+])
+def test_extra_roots_that_are_not_separate_directories_are_refused(
+        tmp_path: Path, extra: str, words: str) -> None:
+    (tmp_path / "nvme0").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "nvme0")
+    with pytest.raises(SettingsError, match=words):
+        load_settings({"KVP_CACHE_ROOT": str(tmp_path / "nvme0" / "kv"),
+                       "KVP_CACHE_EXTRA_ROOTS": extra.replace("{tmp}", str(tmp_path))})
+
+
+def test_extra_roots_are_refused_on_a_shared_tree(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="KVP_CACHE_EXTRA_ROOTS needs"):
+        load_settings({"KVP_CACHE_ROOT": str(tmp_path / "tree"), "KVP_NODE_ID": "a",
+                       "KVP_RUNTIME_DIR": str(tmp_path / "run"),
+                       "KVP_CACHE_EXTRA_ROOTS": str(tmp_path / "nvme1")})

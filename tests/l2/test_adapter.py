@@ -219,7 +219,7 @@ def test_stores_resume_before_lmcache_is_told_of_every_scanned_file(
         tid = a.submit_store_task([to_object_key(new)], [Chunk(bytearray(payload(100)))])
         written = wait_for(a.get_store_event_fd(),
                            lambda t: a.pop_completed_store_tasks().get(t), tid)
-        assert written == CHUNK and new in a.store.index  # stored while LMCache lagged
+        assert written == CHUNK and a.store.indexed(new)  # stored while LMCache lagged
         chunk = Chunk(bytearray(CHUNK))
         tid = a.submit_load_task([to_object_key(old[0])], [chunk])
         assert wait_for(a.get_load_event_fd(), a.query_load_result, tid).test(0)
@@ -262,11 +262,11 @@ def test_an_eviction_returns_once_lmcache_heard_of_it(tmp_path: Path,
         evicting.start()
         evicting.join(0.5)
         assert evicting.is_alive(), "the eviction returned before LMCache heard of it"
-        assert keys[0] not in a.store.index  # the file itself is gone already
+        assert not a.store.indexed(keys[0])  # the file itself is gone already
         release.set()
         evicting.join(10)
         assert not evicting.is_alive()
-        assert a.get_usage().total_bytes_used == a.store.used_bytes == 3 * a.store.index.snapshot()[keys[1]]
+        assert a.get_usage().total_bytes_used == a.store.used_bytes == 3 * a.store.indexed_sizes()[keys[1]]
     finally:
         release.set()
         a.close()

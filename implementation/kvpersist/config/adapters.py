@@ -72,6 +72,7 @@ class KvPersistAdapterParams:
     file_threads: int
     quarantine_max_files: int
     shared_tree: str | None = None
+    extra_paths: tuple[str, ...] = ()
 
     @classmethod
     def from_settings(cls, settings: ServerSettings) -> KvPersistAdapterParams:
@@ -81,10 +82,17 @@ class KvPersistAdapterParams:
                    scan_snapshot=settings.scan_snapshot, fsync=settings.l2_fsync,
                    io_threads=settings.l2_io_threads, file_threads=settings.l2_file_threads,
                    quarantine_max_files=settings.l2_quarantine_max_files,
-                   shared_tree=str(settings.tree) if settings.shared else None)
+                   shared_tree=str(settings.tree) if settings.shared else None,
+                   extra_paths=tuple(str(p) for p in settings.extra_roots))
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """The JSON object (None and an empty ``extra_paths`` left out)."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        if self.extra_paths:
+            out["extra_paths"] = list(self.extra_paths)
+        else:
+            out.pop("extra_paths")
+        return out
 
 
 def kvpersist_adapter_config(settings: ServerSettings) -> dict[str, Any]:

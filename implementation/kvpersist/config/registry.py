@@ -27,7 +27,7 @@ SCOPES = {
     "vllm": "kvp-vllm and the connector in vLLM",
     "admin": "kvp-admin",
 }
-KINDS = ("path", "GiB", "bool", "int", "number", "seconds", "choice", "text", "json", "port",
+KINDS = ("path", "paths", "GiB", "bool", "int", "number", "seconds", "choice", "text", "json", "port",
          "address", "group", "command", "node id")
 
 
@@ -66,6 +66,13 @@ SETTINGS: tuple[Setting, ...] = (
             "the L2 directory on NVMe; created with mode 0700, refused when another account may "
             "enter it ([Security](security.md)); a symlink is resolved once, so every command "
             "works on the real directory"),
+    Setting("KVP_CACHE_EXTRA_ROOTS", "paths", "", "server",
+            "more L2 roots, one per device, separated by `:` ([Several drives]"
+            "(operations.md#several-drives-one-tier)): each chunk's file lives on one root "
+            "chosen by its key, each root holds an equal share of `KVP_CACHE_BUDGET_GB`, and a "
+            "root whose device fails, disappears or turns read-only is given up alone (its "
+            "chunks miss) and rejoins once it answers again. `KVP_CACHE_ROOT` stays the first "
+            "root and keeps the namespaces, quotas and sockets. Not with `KVP_NODE_ID`"),
     Setting("KVP_ACCESS", "choice", "unix", "server",
             "`unix`: the request (ZMQ) and admin (HTTP) endpoints are sockets in "
             "`KVP_RUNTIME_DIR`, for the server's account (and `KVP_ACCESS_GROUP`) only; `tcp`: "

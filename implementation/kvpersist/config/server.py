@@ -135,6 +135,8 @@ class ServerSettings:
     l2_io_threads: int = 4
     l2_file_threads: int = 16
     l2_quarantine_max_files: int = 1024
+    #: More L2 roots, one per device (``KVP_CACHE_EXTRA_ROOTS``), resolved like the root.
+    extra_roots: tuple[Path, ...] = ()
 
     @property
     def shared(self) -> bool:
@@ -278,6 +280,7 @@ def load_settings(
                                             merged["KVP_L2_FILE_THREADS"]),
         l2_quarantine_max_files=values.positive_int("KVP_L2_QUARANTINE_MAX_FILES",
                                                     merged["KVP_L2_QUARANTINE_MAX_FILES"]),
+        extra_roots=extra_roots(merged["KVP_CACHE_EXTRA_ROOTS"], tree),
     )
     _check_sizes(settings)
     _check_shared(settings)
@@ -287,6 +290,26 @@ def load_settings(
             f"KVP_ZMQ_PORT and KVP_HTTP_PORT are both {settings.zmq_port}; they must differ"
         )
     return settings
+
+
+def extra_roots(raw: str, root: Path) -> tuple[Path, ...]:
+    """``KVP_CACHE_EXTRA_ROOTS``: absolute directories separated by ``:``, resolved once like
+    ``KVP_CACHE_ROOT``; none may repeat, hold or lie inside another root."""
+    parts = [p.strip() for p in raw.split(":") if p.strip()]
+    roots: list[Path] = []
+    for part in parts:
+        path = Path(part).expanduser()
+        if not path.is_absolute():
+            raise SettingsError(f"KVP_CACHE_EXTRA_ROOTS: {part!r} is not an absolute path")
+        roots.append(path.resolve())
+    every = [root, *roots]
+    for i, a in enumerate(every):
+        for b in every[i + 1:]:
+            if a == b or _within(a, b) or _within(b, a):
+                raise SettingsError(
+                    f"KVP_CACHE_EXTRA_ROOTS: {b} and {a} overlap; give each root its own "
+                    "directory, one per device")
+    return tuple(roots)
 
 
 def _node_id(raw: str) -> str | None:
@@ -321,6 +344,9 @@ def _check_sizes(settings: ServerSettings) -> None:
 
 
 def _check_shared(settings: ServerSettings) -> None:
+    if settings.extra_roots and (settings.shared or settings.l2_adapter != "kvpersist"):
+        raise SettingsError("KVP_CACHE_EXTRA_ROOTS needs KVP_L2_ADAPTER=kvpersist and no "
+                            "KVP_NODE_ID (a shared tree is one directory per node)")
     if not settings.shared:
         if settings.shared_nodes != 1:
             raise SettingsError(f"KVP_SHARED_NODES={settings.shared_nodes} needs KVP_NODE_ID: "

@@ -32,12 +32,13 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
-from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
@@ -47,7 +48,9 @@ from ..config.admin import WALKERS
 from ..config.values import SettingsError
 from . import bound_aesgcm, metrics
 from .announcer import Announcer
+from .index import KeysCallback
 from .layout import KeyFields
+from .roots import RootSet, shares
 from .store import KvFileStore
 
 if TYPE_CHECKING:
@@ -65,7 +68,7 @@ _T = TypeVar("_T")
 
 _KNOWN_PARAMS = {"path", "max_capacity_gb", "sharded", "fsync", "io_threads", "file_threads",
                  "quarantine_max_files", "shared_tree", "shared_negative_ttl_s", "walker",
-                 "walk_threads", "direct_io", "scan_snapshot"}
+                 "walk_threads", "direct_io", "scan_snapshot", "extra_paths"}
 
 
 class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
@@ -76,8 +79,9 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                  quarantine_max_files: int = 1024, shared_tree: str | None = None,
                  shared_negative_ttl_s: float = 2.0, walker: str = "auto",
                  walk_threads: int = 0, direct_io: bool = True,
-                 scan_snapshot: bool = True) -> None:
+                 scan_snapshot: bool = True, extra_paths: tuple[str, ...] = ()) -> None:
         self.path = path
+        self.extra_paths = tuple(extra_paths)
         self.max_capacity_gb = max_capacity_gb
         self.sharded = sharded
         self.fsync = fsync
@@ -100,7 +104,18 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         path = d.get("path")
         if not isinstance(path, str) or not path:
             raise ValueError("kvpersist L2 adapter: path must be a non-empty string")
+        extra = d.get("extra_paths", [])
+        if (not isinstance(extra, list | tuple)
+                or not all(isinstance(p, str) and p for p in extra)):
+            raise ValueError("kvpersist L2 adapter: extra_paths must be a list of non-empty "
+                             "strings")
+        if len({path, *extra}) != len(extra) + 1:
+            raise ValueError(f"kvpersist L2 adapter: a root is given twice in path and "
+                             f"extra_paths ({[path, *extra]})")
         shared_tree = d.get("shared_tree")
+        if shared_tree is not None and extra:
+            raise ValueError("kvpersist L2 adapter: extra_paths and shared_tree do not go "
+                             "together (a shared tree is one directory per node)")
         if shared_tree is not None and (not isinstance(shared_tree, str) or not shared_tree):
             raise ValueError("kvpersist L2 adapter: shared_tree must be a non-empty string")
         try:
@@ -121,6 +136,7 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                                             minimum=0),
                 direct_io=values.boolean("direct_io", d.get("direct_io", True)),
                 scan_snapshot=values.boolean("scan_snapshot", d.get("scan_snapshot", True)),
+                extra_paths=tuple(extra),
             )
         except SettingsError as exc:
             raise ValueError(f"kvpersist L2 adapter: {exc}") from None
@@ -152,7 +168,11 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "  KVP_L2_DIRECT_IO)\n"
             "- scan_snapshot (bool): a clean stop leaves an index snapshot, and the next start\n"
             "  adopts it instead of walking the tree when no data directory changed since\n"
-            "  (stores resume sooner); never on a shared tree (default true; KVP_SCAN_SNAPSHOT)"
+            "  (stores resume sooner); never on a shared tree (default true; KVP_SCAN_SNAPSHOT)\n"
+            "- extra_paths (list of str): more roots, one per device; each key's file lives on\n"
+            "  one root chosen by its key, each root holds an equal share of max_capacity_gb,\n"
+            "  and a root whose device fails is given up alone (default none;\n"
+            "  KVP_CACHE_EXTRA_ROOTS)"
         )
 
 
@@ -188,13 +208,10 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 [to_object_key(k) for k in keys], sizes),
             "accessed": lambda keys, _: self._notify_keys_accessed(keys),
         })
-        self._store = KvFileStore(
-            config.path, int(config.max_capacity_gb * _GB), sharded=config.sharded,
-            fsync=config.fsync, quarantine_max_files=config.quarantine_max_files,
-            on_added=self._announce_added, on_removed=self._announce_removed,
-            shared_tree=config.shared_tree, shared_negative_ttl_s=config.shared_negative_ttl_s,
-            walker=config.walker, walk_threads=config.walk_threads, direct_io=config.direct_io,
-            scan_snapshot=config.scan_snapshot)
+        paths = [Path(config.path), *(Path(p) for p in config.extra_paths)]
+        self._store = RootSet(paths, shares(int(config.max_capacity_gb * _GB), len(paths)),
+                              self._new_store, on_added=self._announce_added,
+                              on_removed=self._announce_removed)
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -212,7 +229,18 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         # an encrypted chunk whose tag fails under its own key (renamed, re-headered, foreign)
         self._unsubscribe = bound_aesgcm.on_rejected(self._reject_payload)
         logger.info("kvpersist L2 adapter on %s: capacity %.3f GiB, sharded=%s",
-                    config.path, config.max_capacity_gb, config.sharded)
+                    ", ".join(map(str, paths)), config.max_capacity_gb, config.sharded)
+
+    def _new_store(self, root: Path, capacity: int, on_added: KeysCallback,
+                   on_removed: KeysCallback) -> KvFileStore:
+        config = self._config
+        return KvFileStore(
+            root, capacity, sharded=config.sharded, fsync=config.fsync,
+            quarantine_max_files=config.quarantine_max_files, on_added=on_added,
+            on_removed=on_removed, shared_tree=config.shared_tree,
+            shared_negative_ttl_s=config.shared_negative_ttl_s, walker=config.walker,
+            walk_threads=config.walk_threads, direct_io=config.direct_io,
+            scan_snapshot=config.scan_snapshot)
 
     # -- accounting bridge (see module invariants)
     def _announce_added(self, keys: list[KeyFields], sizes: list[int]) -> None:
@@ -359,17 +387,25 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                      cursor: str | None = None) -> KeyListPage:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive (got {page_size})")
-        try:
-            offset = int(cursor) if cursor is not None else 0
-        except ValueError:
-            raise ValueError(f"malformed cursor {cursor!r}") from None
-        if offset < 0:
-            raise ValueError(f"malformed cursor {cursor!r}")
-        page, next_offset = self._store.list_keys(model_name, offset, page_size)
+        page, next_cursor = self._store.list_keys(model_name, cursor, page_size)
         entries = tuple(KeyEntry(key=to_object_key(k).to_encoded_object_key(), size_bytes=size)
                         for k, size in page)
-        return KeyListPage(entries=entries,
-                           next_page_token=None if next_offset is None else str(next_offset))
+        return KeyListPage(entries=entries, next_page_token=next_cursor)
+
+    def get_usage(self) -> AdapterUsage:
+        """LMCache's accounting, with the capacity scaled so that the fraction is the fullest
+        root's (see :meth:`RootSet.usage_fraction`): LMCache's watermark eviction runs as soon
+        as one device reaches it.  With one root, LMCache's own figures unchanged."""
+        usage = super().get_usage()
+        if not self._store.several:
+            return usage
+        fullest = self._store.usage_fraction()
+        used = self._store.used_bytes
+        capacity = (int(used / fullest) if fullest > 0 and used > 0
+                    else self._store.healthy_capacity_bytes)
+        return AdapterUsage(total_bytes_used=usage.total_bytes_used,
+                            total_capacity_bytes=capacity,
+                            bytes_by_cache_salt=usage.bytes_by_cache_salt)
 
     def report_status(self) -> dict[str, Any]:
         status = self._store.status()
@@ -377,6 +413,11 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         if scan_error is not None:  # stores are refused until a scan succeeds
             status["unhealthy_reason"] = (f"the start-up scan failed ({scan_error}); stores are "
                                           "refused and the scan is tried again")
+        degraded = self._store.degraded
+        if degraded and len(degraded) == len(self._store.paths):
+            scan_error = scan_error or "every root is degraded"
+            status["unhealthy_reason"] = "every root is degraded: " + "; ".join(
+                why for _, why in degraded)
         # index changes and reads LMCache has not been told of yet (a restart's scan: seconds)
         status["announcements_pending"] = self._announcer.pending
         status.update({"is_healthy": scan_error is None, "type": "KvPersistL2Adapter",
@@ -384,7 +425,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return status
 
     @property
-    def store(self) -> KvFileStore:
+    def store(self) -> RootSet:
         return self._store
 
     def _reject_payload(self, key: ObjectKey) -> None:

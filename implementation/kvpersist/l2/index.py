@@ -193,6 +193,19 @@ class KeyIndex:
         self._on_removed([key], [size])
         return size
 
+    def drain(self) -> int:
+        """Drop every entry and mark the index incomplete (stores refused), for a root given up
+        (its device lost): ``on_removed`` hears of exactly the entries that left ``used_bytes``,
+        so the accounting drops the root's bytes.  Returns how many entries left."""
+        with self._lock:
+            gone, self._sizes = self._sizes, {}
+            self._used -= sum(gone.values())
+            self._complete = False
+            self._version += 1
+        if gone and self._on_removed is not _ignore:
+            self._on_removed(list(gone), list(gone.values()))
+        return len(gone)
+
     # -- listing
     def page(self, model_name: str | None, offset: int, limit: int
              ) -> tuple[list[tuple[KeyFields, int]], int | None]:

@@ -45,17 +45,24 @@ def root_lock_holder(root: Path) -> str | None:
 def take_root_lock(root: Path) -> int:
     """The descriptor holding the root's lock; RootLockedError if another process holds it."""
     path = root / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # The lock is held on a read-only descriptor: a file open for writing would keep the file
+    # system from being remounted read-only, and a root turning read-only is a fault the tier
+    # must see (kvpersist.l2.roots), not one the lock hides.
+    writer = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise RootLockedError(
-            f"cache root {root} is already served by another kvpersist L2 store "
-            f"({holder}); one writer per root: stop that server, or use another KVP_CACHE_ROOT "
-            "(or, on a shared tree, another KVP_NODE_ID)"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, holder_name().encode(), 0)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RootLockedError(
+                f"cache root {root} is already served by another kvpersist L2 store "
+                f"({holder}); one writer per root: stop that server, or use another "
+                "KVP_CACHE_ROOT (or, on a shared tree, another KVP_NODE_ID)"
+            ) from None
+        os.ftruncate(writer, 0)
+        os.pwrite(writer, holder_name().encode(), 0)
+    finally:
+        os.close(writer)
     return fd

@@ -51,6 +51,15 @@ _METRICS = ObservedMetrics(METER, "the store status", counters={
     "kvpersist_l2.quarantine_files": ("Files in quarantine now", field("quarantine_files")),
     "kvpersist_l2.quarantine_bytes": ("Bytes in quarantine now (they count against the cap)",
                                       field("quarantine_bytes")),
+    # several roots (KVP_CACHE_EXTRA_ROOTS): one series per root, labelled with its path
+    "kvpersist_l2.root_used_bytes": ("Bytes of published L2 files, by root",
+                                     by_label("root_used_bytes", "root")),
+    "kvpersist_l2.root_capacity_bytes": ("A root's share of the budget, by root",
+                                         by_label("root_capacity_bytes", "root")),
+    "kvpersist_l2.root_files": ("Published L2 files, by root", by_label("root_files", "root")),
+    "kvpersist_l2.root_degraded": ("1 while a root is given up (its device failed, vanished "
+                                   "or turned read-only; its chunks miss), by root",
+                                   by_label("root_degraded", "root")),
 })
 
 

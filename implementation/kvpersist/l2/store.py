@@ -199,6 +199,18 @@ class KvFileStore:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
 
+    def abandon(self) -> int:
+        """Give this root up without touching its device (lost, read-only or failing): the scan
+        stops, the lock is released without a snapshot, and the index is drained, so the
+        accounting drops every key it held.  Call it once no put, read or delete of this store
+        is in flight.  Returns how many keys were dropped."""
+        self.scanner.stop()
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = -1
+        return self.index.drain()
+
     def wait_scan(self, timeout: float | None = None) -> bool:
         return self.scanner.wait(timeout)
 
