@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..l2.inventory import CacheFile, classify
+from ..l2.inventory import CacheFile, classify, root_of
 from ..serving import http
 from .retention import CleanupPlan
 
@@ -42,15 +42,17 @@ def _dir_refusal(root: Path, directory: str) -> str | None:
     return None
 
 
-def safe_to_delete(root: Path, f: CacheFile, dir_cache: dict[str, str | None] | None = None
-                   ) -> str | None:
+def safe_to_delete(root: Path | Sequence[Path], f: CacheFile,
+                   dir_cache: dict[str, str | None] | None = None) -> str | None:
     """None if ``f`` may be deleted now, else the reason it may not.  ``dir_cache`` remembers the
     verdict on each directory across calls (one cleanup), so a million files cost one lstat each."""
     if "/" in f.name or f.name in ("", ".", ".."):
         return "outside the cache root"
     verdicts = {} if dir_cache is None else dir_cache
     if f.dir not in verdicts:
-        verdicts[f.dir] = _dir_refusal(root, f.dir)
+        holder = root_of(f.dir, [root] if isinstance(root, Path) else root)
+        verdicts[f.dir] = ("outside the cache root" if holder is None
+                           else _dir_refusal(holder, f.dir))
     if verdicts[f.dir] is not None:
         return verdicts[f.dir]
     try:
@@ -80,12 +82,12 @@ def _delete_via_server(http_url: str, files: list[CacheFile], timeout: float) ->
                              f"{resp.body[:200]!r}")
 
 
-def apply_cleanup(plan: CleanupPlan, root: Path, *, server_url: str | None,
+def apply_cleanup(plan: CleanupPlan, root: Path | Sequence[Path], *, server_url: str | None,
                   batch: int = 256, timeout: float = 30.0,
                   progress: Callable[[int], None] | None = None) -> CleanupResult:
-    """Delete the planned files.  While a server runs (``server_url``), live files go through
-    its ``DELETE /cache/objects`` so its index and byte count stay right; files it did not know
-    are then removed directly."""
+    """Delete the planned files, each under one of the tier's roots (``root``: one or all).
+    While a server runs (``server_url``), live files go through its ``DELETE /cache/objects``
+    so its index and byte count stay right; files it did not know are then removed directly."""
     result = CleanupResult()
     deletable: list[CacheFile] = []
     dir_cache: dict[str, str | None] = {}

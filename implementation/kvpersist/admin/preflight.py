@@ -20,6 +20,7 @@ from ..config.server import (
 )
 from ..identity import FIELDS, IdentityError, load_pins
 from ..identity.fields import OPTIONAL_FIELDS
+from ..l2.inventory import InventoryError, build_inventory
 from ..serving.lmcache_compat import pins as lmcache_pins
 from ..serving.server.host_memory import MEMINFO, l1_refusal, mem_available_bytes
 from ..serving.server.lifecycle import is_healthy, port_is_free
@@ -281,4 +282,46 @@ def run_preflight(settings: ServerSettings, *, cache_bytes: int, pins: Path | No
             checks.append(Check("identity pins", "error", str(exc)))
 
     checks.append(filesystem_check(root, production=production, shared=settings.shared))
+    if settings.extra_roots:
+        checks.extend(roots_checks(settings.l2_roots, budget.cap_bytes))
     return checks
+
+
+def roots_checks(roots: tuple[Path, ...], budget_bytes: int) -> list[Check]:
+    """Several roots: each writable, with free space for its equal share, and each on its own
+    device (two roots on one device add no bandwidth, and one fault costs both)."""
+    checks: list[Check] = []
+    share = budget_bytes // len(roots)
+    devices: dict[int, Path] = {}
+    for root in roots:
+        probe = existing_ancestor(root)
+        try:
+            st, fs = os.stat(probe), os.statvfs(probe)
+        except OSError as exc:
+            checks.append(Check(f"root {root}", "error", f"cannot be read ({exc.strerror})"))
+            continue
+        free = fs.f_bavail * fs.f_frsize
+        if not os.access(probe, os.W_OK | os.X_OK):
+            level, text = "error", f"{probe} is not writable by this user"
+        elif free + _used_below(root) < share:
+            level, text = "warn", (f"{free / 1024**3:.1f} GiB free, less than its share of "
+                                   f"{share / 1024**3:.1f} GiB: stores there are refused once "
+                                   "the device fills")
+        else:
+            level, text = "ok", (f"{free / 1024**3:.1f} GiB free for a share of "
+                                 f"{share / 1024**3:.1f} GiB")
+        if st.st_dev in devices:
+            level = "error" if level == "error" else "warn"
+            text += (f"; on the same device as {devices[st.st_dev]}: no bandwidth is gained and "
+                     "one fault costs both")
+        devices.setdefault(st.st_dev, root)
+        checks.append(Check(f"root {root}", level, text))
+    return checks
+
+
+def _used_below(root: Path) -> int:
+    """Bytes the tier's own files already take under ``root`` (they count in its share)."""
+    try:
+        return build_inventory(root).cache_bytes if root.is_dir() else 0
+    except InventoryError:
+        return 0

@@ -7,12 +7,14 @@ namespaces are active.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..identity.adapter_records import adapter_names
-from ..l2.inventory import Inventory
+from ..l2.inventory import QUARANTINE, Inventory, root_of
 from ..l2.layout import split_model_name
 from ..serving.connector.request_keys import ADAPTER_SALT
 from ..serving.lmcache_compat import status as server_status
@@ -26,6 +28,24 @@ def active_namespaces_from_server(http_url: str, timeout: float = 5.0) -> set[st
     if body is None:
         return None
     return set(server_status.registered_namespaces(body))
+
+
+def root_usage(inv: Inventory, roots: Sequence[Path], shares: Sequence[int]
+               ) -> list[dict[str, Any]]:
+    """Per root (device): the cache files (live, temp, quarantine) and bytes it holds, against
+    its share of the budget."""
+    of_dir = np.array([-1 if (r := root_of(d, roots)) is None else list(roots).index(r)
+                       for d in inv.dirs] + [-1], np.int64)
+    cache = inv.cls <= QUARANTINE
+    where = of_dir[inv.dir_idx[cache]] if inv.dirs else np.zeros(0, np.int64)
+    sizes = inv.size[cache]
+    out = []
+    for i, (root, share) in enumerate(zip(roots, shares, strict=True)):
+        mine = where == i
+        used = int(sizes[mine].sum())
+        out.append({"root": str(root), "files": int(mine.sum()), "bytes": used,
+                    "budget_bytes": int(share), "budget_share": used / share if share else 0.0})
+    return out
 
 
 #: A file name's salt part that a LoRA adapter derived (``@`` then the request keys' format).

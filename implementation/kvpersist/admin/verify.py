@@ -7,12 +7,12 @@ Invariant: read-only unless ``quarantine`` is set; then only files that fail are
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..l2.files import quarantine_file, verify_file
-from ..l2.inventory import CacheFile
+from ..l2.inventory import CacheFile, root_of
 from .rank_coverage import global_rank_of, world_size_of
 
 
@@ -35,10 +35,12 @@ class VerifyResult:
         row["failed"] += int(failed)
 
 
-def verify_files(root: Path, files: Iterable[CacheFile], *, quarantine: bool,
+def verify_files(root: Path | Sequence[Path], files: Iterable[CacheFile], *, quarantine: bool,
                  max_bytes_per_s: float | None = None,
                  progress: Callable[[int], None] | None = None) -> VerifyResult:
-    """Scrub every kvpersist ``.kvp`` live file; optionally quarantine the failures."""
+    """Scrub every kvpersist ``.kvp`` live file; optionally quarantine the failures (into the
+    quarantine of the root, among ``root``, that holds the file)."""
+    roots = [root] if isinstance(root, Path) else list(root)
     result = VerifyResult()
     began = time.monotonic()
     for f in files:
@@ -51,9 +53,11 @@ def verify_files(root: Path, files: Iterable[CacheFile], *, quarantine: bool,
         if reason is not None:
             result.failures.append((str(f.path), reason))
             if quarantine:
+                holder = root_of(f.dir, roots)
                 try:
-                    quarantine_file(root, f.path, reason)
-                    result.quarantined += 1
+                    if holder is not None:
+                        quarantine_file(holder, f.path, reason)
+                        result.quarantined += 1
                 except OSError:
                     pass
         if max_bytes_per_s:

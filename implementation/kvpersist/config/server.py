@@ -139,6 +139,11 @@ class ServerSettings:
     extra_roots: tuple[Path, ...] = ()
 
     @property
+    def l2_roots(self) -> tuple[Path, ...]:
+        """Every root of the L2 tier: ``cache_root`` first, then ``KVP_CACHE_EXTRA_ROOTS``."""
+        return (self.cache_root, *self.extra_roots)
+
+    @property
     def shared(self) -> bool:
         """Several nodes share the tree (``KVP_NODE_ID`` is set)."""
         return self.node_id is not None

@@ -24,7 +24,7 @@ import gc
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -215,6 +215,45 @@ class Inventory:
     def cache_bytes(self) -> int:
         """Bytes of every KV file the cache tier owns (live + temp + quarantine)."""
         return int(self.size[self.cls <= QUARANTINE].sum())
+
+
+def merge_inventories(parts: Sequence[Inventory]) -> Inventory:
+    """One inventory of several roots' (the first root names it): rows of each part in turn,
+    directories kept as they were (absolute), model names shared."""
+    if len(parts) == 1:
+        return parts[0]
+    models: dict[str, int] = {}
+    dirs: list[str] = []
+    name_ends: list[IntArray] = []
+    model_idx: list[npt.NDArray[np.int32]] = []
+    dir_idx: list[npt.NDArray[np.int32]] = []
+    inexact: set[int] = set()
+    offset = 0
+    for part in parts:
+        remap = np.array([models.setdefault(m, len(models)) for m in part.model_names] + [-1],
+                         np.int32)
+        inexact.update(int(remap[m]) for m in part.inexact_models)
+        model_idx.append(remap[part.model_idx])  # -1 picks the appended -1
+        dir_idx.append(part.dir_idx + np.int32(len(dirs)))
+        dirs += part.dirs
+        name_ends.append(part.name_end + offset)
+        offset += len(part.names)
+    return Inventory(
+        root=parts[0].root, dirs=dirs, model_names=list(models), names=b"".join(
+            p.names for p in parts), name_end=np.concatenate(name_ends),
+        cls=np.concatenate([p.cls for p in parts]), size=np.concatenate([p.size for p in parts]),
+        mtime_ns=np.concatenate([p.mtime_ns for p in parts]),
+        dir_idx=np.concatenate(dir_idx).astype(np.int32),
+        model_idx=np.concatenate(model_idx).astype(np.int32),
+        errors=[e for p in parts for e in p.errors], seconds=sum(p.seconds for p in parts),
+        walker=parts[0].walker, inexact_models=frozenset(inexact))
+
+
+def root_of(directory: str | Path, roots: Sequence[Path]) -> Path | None:
+    """The root among ``roots`` that ``directory`` lies in (the deepest one), or None."""
+    path = Path(directory)
+    holding = [r for r in roots if path == r or r in path.parents]
+    return max(holding, key=lambda r: len(r.parts), default=None)
 
 
 def keys_of_columns(names: bytes | memoryview, name_end: IntArray, model_idx: npt.NDArray[np.int32],

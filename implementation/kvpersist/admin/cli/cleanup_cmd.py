@@ -64,7 +64,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
             return EXIT_ERROR
         progress = stderr_progress("cleanup: deleting", len(plan))
         try:
-            res = apply_cleanup(plan, settings.cache_root, server_url=server_url, progress=progress)
+            res = apply_cleanup(plan, settings.l2_roots, server_url=server_url,
+                                progress=progress)
         finally:
             if progress is not None:
                 progress.close()

@@ -13,7 +13,7 @@ from typing import Any, TypeAlias, TypeVar
 
 from ...config.admin import AdminSettings, load_admin_settings
 from ...config.server import ServerSettings, SettingsError, load_settings
-from ...l2.inventory import Inventory, InventoryError, build_inventory
+from ...l2.inventory import Inventory, InventoryError, build_inventory, merge_inventories
 from ..budget import GIB, check_namespace
 from ..progress import stderr_progress
 from ..report import active_namespaces_from_server
@@ -83,16 +83,26 @@ def quotas_path(args: argparse.Namespace, settings: ServerSettings) -> Path:
 
 
 def inventory_or_exit(settings: ServerSettings, label: str) -> Inventory:
-    try:
-        progress = stderr_progress(f"{label}: scanning")
+    """Every root's files in one inventory.  The primary root must be readable (it is the
+    tier's); an extra root that is not (its device lost) is named on stderr and left out, so
+    the operator still sees and acts on the rest."""
+    parts: list[Inventory] = []
+    for root in settings.l2_roots:
         try:
-            return build_inventory(settings.cache_root, progress=progress)
-        finally:
-            if progress is not None:
-                progress.close()
-    except InventoryError as exc:
-        print(f"kvp-admin {label}: {exc}", file=sys.stderr)
-        raise SystemExit(EXIT_ERROR) from None
+            progress = stderr_progress(f"{label}: scanning {root}" if settings.extra_roots
+                                       else f"{label}: scanning")
+            try:
+                parts.append(build_inventory(root, progress=progress))
+            finally:
+                if progress is not None:
+                    progress.close()
+        except InventoryError as exc:
+            print(f"kvp-admin {label}: {exc}", file=sys.stderr)
+            if root == settings.cache_root:
+                raise SystemExit(EXIT_ERROR) from None
+            print(f"kvp-admin {label}: root {root} left out; its files are not counted",
+                  file=sys.stderr)
+    return merge_inventories(parts)
 
 
 def active_namespaces(args: argparse.Namespace, settings: ServerSettings) -> tuple[set[str], str]:

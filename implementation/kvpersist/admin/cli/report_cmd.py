@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from ...config.server import ServerSettings
+from ...l2.roots import shares
 from ...serving import http
 from ..budget import BudgetModel, QuotaError, load_quotas
 from ..metrics import prometheus_text, relay_server_metrics, write_textfile
-from ..report import build_report
+from ..report import build_report, root_usage
 from .common import (
     EXIT_ERROR,
     EXIT_OK,
@@ -44,6 +45,8 @@ def _report_data(args: argparse.Namespace, label: str) -> tuple[dict[str, Any], 
                                  settings.eviction_ratio)
     data = build_report(inv, budget, quotas, active)
     data["active_source"] = source
+    data["roots"] = root_usage(inv, settings.l2_roots,
+                               shares(budget.cap_bytes, len(settings.l2_roots)))
     return data, settings
 
 
@@ -67,6 +70,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(f"cache root {data['root']}: {gib(data['cache_bytes'])} GiB of budget "
           f"{gib(data['budget_bytes'])} GiB ({100 * data['budget_share']:.2f}%); eviction at "
           f"{gib(data['trigger_bytes'])} GiB down to {gib(data['reclaim_target_bytes'])} GiB")
+    if len(data["roots"]) > 1:
+        print(table([(r["root"], r["files"], gib(r["bytes"]), gib(r["budget_bytes"]),
+                      f"{100 * r['budget_share']:.2f}%") for r in data["roots"]],
+                    ("root (device)", "files", "GiB", "share GiB", "of share")))
     print(f"active namespaces from: {data['active_source']}\n")
     print(table(rows, ("namespace", "model id", "files", "files per rank", "GiB", "budget",
                         "last access", "state", "quota GiB", "quota")))

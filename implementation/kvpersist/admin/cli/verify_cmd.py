@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from ...config.server import ServerSettings
 from ...l2.inventory import LIVE
-from ...l2.layout import SUFFIX
+from ...l2.layout import SUFFIX, KeyFields, format_name
 from ...l2.lock import take_root_lock
+from ...l2.roots import shares
 from ...l2.store import KvFileStore, RootLockedError
 from ..budget import GIB
 from ..progress import stderr_progress
@@ -28,20 +30,35 @@ from .common import (
 
 
 def cmd_check(settings: ServerSettings, as_json: bool) -> int:
-    """The store's consistency oracle on a root no server serves (it takes the root's lock)."""
-    # scan_snapshot off: the check neither consumes the server's snapshot nor leaves one
-    store = KvFileStore(settings.cache_root, int(settings.node_budget_gb * GIB),
-                        sharded=settings.l2_sharded, scan_snapshot=False)
-    try:
-        store.open(background_scan=False, remove_temps=False)
-    except RootLockedError as exc:
-        print(f"kvp-admin verify --check: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    try:
-        problems = store.check(deep=True)
-        files, used, _ = store.index.totals()
-    finally:
-        store.close()
+    """The store's consistency oracle on every root, none served (it takes each root's lock),
+    and no key on two roots."""
+    files = used = 0
+    problems: list[str] = []
+    seen: dict[KeyFields, Path] = {}
+    several = len(settings.l2_roots) > 1
+    for root, share in zip(settings.l2_roots, shares(int(settings.node_budget_gb * GIB),
+                                                     len(settings.l2_roots)), strict=True):
+        # scan_snapshot off: the check neither consumes the server's snapshot nor leaves one
+        store = KvFileStore(root, share, sharded=settings.l2_sharded, scan_snapshot=False)
+        try:
+            store.open(background_scan=False, remove_temps=False)
+        except RootLockedError as exc:
+            print(f"kvp-admin verify --check: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        except OSError as exc:
+            problems.append(f"{root}: cannot be opened ({exc.strerror or exc})")
+            continue
+        try:
+            prefix = f"{root}: " if several else ""
+            problems += [prefix + p for p in store.check(deep=True)]
+            n, b, _ = store.index.totals()
+            files, used = files + n, used + b
+            for key in store.index.snapshot():
+                if key in seen:
+                    problems.append(f"{format_name(key)} is on {seen[key]} and on {root}")
+                seen.setdefault(key, root)
+        finally:
+            store.close()
     if as_json:
         print_json({"files": files, "bytes": used, "problems": problems})
     else:
@@ -56,20 +73,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     settings = settings_or_exit()
     if args.check:
         return cmd_check(settings, args.json)
-    lock_fd = -1
-    if args.quarantine:  # moving files changes what a server's index counts: never behind one
-        try:
-            lock_fd = take_root_lock(settings.cache_root)
-        except RootLockedError as exc:
-            print(f"kvp-admin verify --quarantine: {exc}. A running server verifies every file "
-                  "it reads and quarantines what fails; stop it to quarantine from here, or "
-                  "run without --quarantine to only report", file=sys.stderr)
-            return EXIT_ERROR
+    lock_fds: list[int] = []
     try:
+        if args.quarantine:  # moving files changes what a server's index counts: never behind one
+            try:
+                for root in settings.l2_roots:
+                    lock_fds.append(take_root_lock(root))
+            except RootLockedError as exc:
+                print(f"kvp-admin verify --quarantine: {exc}. A running server verifies every "
+                      "file it reads and quarantines what fails; stop it to quarantine from "
+                      "here, or run without --quarantine to only report", file=sys.stderr)
+                return EXIT_ERROR
         return _verify(args, settings)
     finally:
-        if lock_fd >= 0:
-            os.close(lock_fd)
+        for fd in lock_fds:
+            os.close(fd)
 
 
 def _verify(args: argparse.Namespace, settings: ServerSettings) -> int:
@@ -78,7 +96,7 @@ def _verify(args: argparse.Namespace, settings: ServerSettings) -> int:
     files = [inv.file(i) for i in inv.of_class(LIVE) if inv.name(int(i)).endswith(SUFFIX)]
     progress = stderr_progress("verify", len(files))
     try:
-        res = verify_files(settings.cache_root, files, quarantine=args.quarantine,
+        res = verify_files(settings.l2_roots, files, quarantine=args.quarantine,
                            max_bytes_per_s=rate, progress=progress)
     finally:
         if progress is not None:
