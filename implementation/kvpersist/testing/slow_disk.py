@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -23,17 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..admin.page_cache import drop_page_cache, evict_files
+from .loop_device import unavailable as loop_unavailable
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
 
 def unavailable() -> str | None:
     """Why a slow disk cannot be made here, or None."""
-    if os.geteuid() != 0:
-        return "needs root (loop device, mount, cgroup)"
-    for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
+    why = loop_unavailable()
+    if why is not None:
+        return why
     if not (BLKIO / "cgroup.procs").exists():
         return "no cgroup-v1 blkio controller at /sys/fs/cgroup/blkio"
     return None
