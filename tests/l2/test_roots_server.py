@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist.admin.cli.server_cmd import degraded_roots
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.serving import http
 from kvpersist.serving.launcher.vllm_client import metric_sum
+from kvpersist.serving.lmcache_compat import status as server_status
 from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.helpers import (
     adapter_status,
@@ -73,6 +75,9 @@ def test_a_failed_drive_behind_the_server_costs_only_its_chunks(
         (degraded,) = status["degraded_roots"]
         assert degraded["root"] == str(roots[1]) and "Input/output error" in degraded["reason"]
         assert status["used_bytes"] == kept_bytes
+        # kvp-admin status names it too (its table reads the server's /status)
+        assert [d["root"] for d in degraded_roots(server_status.fetch(settings.http_url) or {})
+                ] == [str(roots[1])]
         metrics = http.get(settings.http_url + "/metrics", timeout=10).body.decode()
         assert metric_sum(metrics, "kvpersist_l2_root_degraded", root=str(roots[1])) == 1
         assert metric_sum(metrics, "kvpersist_l2_root_degraded", root=str(roots[0])) == 0

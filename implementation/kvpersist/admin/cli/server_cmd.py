@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from ...config.server import SettingsError, access_warning, describe_access
+from ...serving.lmcache_compat.status import kvpersist_adapters
 from ...serving.pidfile import PidFileError
 from ...serving.server.lifecycle import (
     ServerError,
@@ -17,6 +20,12 @@ from ...serving.server.lifecycle import (
     stop_server,
 )
 from .common import EXIT_ERROR, EXIT_OFF, EXIT_OK, Subparsers, add_json, print_json, settings_or_exit, table
+
+
+def degraded_roots(server_status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The roots (devices) the server's kvpersist adapters have given up, with the reason."""
+    return [d for a in kvpersist_adapters(server_status)
+            for d in a.get("degraded_roots") or () if isinstance(d, Mapping)]
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -30,6 +39,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print_json(status)
     else:
         rows = [(k, v) for k, v in status.items() if k != "server_status"]
+        rows += [("degraded L2 root", f"{d.get('root')}: {d.get('reason')}")
+                 for d in degraded_roots(status.get("server_status") or {})]
         print(table(rows, ("item", "value")))
         if "server_status" in status:
             print("\nserver /status:")
