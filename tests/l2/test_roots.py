@@ -4,6 +4,7 @@ devices are in test_roots_devices.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from pathlib import Path
@@ -15,10 +16,10 @@ from kvpersist.l2.adapter import KvPersistL2Adapter, KvPersistL2AdapterConfig
 from kvpersist.l2.format import HEADER_SIZE
 from kvpersist.l2.layout import KeyFields
 from kvpersist.l2.placement import place, rank
-from kvpersist.l2.root_health import RootRefused, RootRegister, claim
+from kvpersist.l2.root_health import RootRefused, RootRegister, claim, probe
 from kvpersist.l2.roots import DEGRADED, HEALTHY, RootSet, shares
 from kvpersist.l2.store import KvFileStore
-from kvpersist.testing.helpers import key_of, wait_until
+from kvpersist.testing.helpers import exchange_paths, key_of, wait_until
 
 PAYLOAD = 4096
 
@@ -156,9 +157,11 @@ def test_a_lost_root_costs_only_its_keys_and_rejoins_after_a_scan(tmp_path: Path
         on_lost = [k for k in keys if place(k, names) == 1]
         kept = [k for k in keys if place(k, names) == 0]
         assert on_lost and kept
-        # the device goes away: an empty mount point is left where it was
-        roots[1].rename(tmp_path / "dev1-away")
-        roots[1].mkdir()
+        # the device goes away: an empty mount point is left where it was, in one step, as an
+        # unmount does (a probe never finds the path missing)
+        away = tmp_path / "dev1-away"
+        away.mkdir()
+        exchange_paths(roots[1], away)
         wait_until(lambda: rs.degraded, timeout=10, message="the lost root was never degraded")
         (path, reason), = rs.degraded
         assert path == roots[1] and "no longer holds root" in reason
@@ -177,8 +180,7 @@ def test_a_lost_root_costs_only_its_keys_and_rejoins_after_a_scan(tmp_path: Path
         assert status["stores"] == 40  # counters of the given-up store are kept
         assert rs.check() == []
         # the device comes back: its keys serve again once its scan has run
-        roots[1].rmdir()
-        (tmp_path / "dev1-away").rename(roots[1])
+        exchange_paths(roots[1], away)
         wait_until(lambda: not rs.degraded and rs.scan_done, timeout=10,
                    message="the root never rejoined")
         for i, key in enumerate(keys):
@@ -188,6 +190,26 @@ def test_a_lost_root_costs_only_its_keys_and_rejoins_after_a_scan(tmp_path: Path
         assert rs.check() == []
     finally:
         rs.close()
+
+
+def test_a_root_unmounted_during_a_probe_is_named_as_unmounted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe read the marker, then the device left before its write: the reason is the
+    missing device, not the write's ENOENT (CI once saw that race)."""
+    root, away = tmp_path / "dev1", tmp_path / "dev1-away"
+    root.mkdir()
+    away.mkdir()
+    identity = claim(root, RootRegister(tmp_path))
+    assert probe(root, identity) is None
+    real_open = os.open
+
+    def unmount_then_open(path: Any, flags: int, mode: int = 0o777) -> int:
+        exchange_paths(root, away)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", unmount_then_open)  # the probe's scratch write
+    why = probe(root, identity)
+    assert why is not None and "no longer holds root" in why and "no marker" in why
 
 
 def test_a_root_is_taken_only_as_the_device_this_tier_wrote(tmp_path: Path) -> None:

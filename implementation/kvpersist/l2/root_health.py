@@ -103,12 +103,11 @@ def probe(root: Path, identity: str) -> str | None:
     try:
         if not root.is_dir():
             return f"{root} is not a directory any more"
-        found = read_marker(root)
+        replaced = _replaced(root, identity)
     except OSError as exc:
         return f"{root} cannot be read ({exc.strerror or exc})"
-    if found != identity:
-        return (f"{root} no longer holds root {identity} "
-                f"({'no marker' if found is None else 'root ' + found}): unmounted or replaced")
+    if replaced is not None:
+        return replaced
     try:
         if os.statvfs(root).f_flag & os.ST_RDONLY:
             return f"{root} is read-only"
@@ -127,5 +126,17 @@ def probe(root: Path, identity: str) -> str | None:
             with contextlib.suppress(OSError):
                 os.unlink(scratch)
             return None
-        return f"{root} cannot be written ({exc.strerror or exc})"
+        with contextlib.suppress(OSError):
+            # unmounted between the marker's read and the write: say so, not just "ENOENT"
+            replaced = _replaced(root, identity)
+        return replaced or f"{root} cannot be written ({exc.strerror or exc})"
     return None
+
+
+def _replaced(root: Path, identity: str) -> str | None:
+    """Why ``root`` is not the device ``identity`` any more, or None while its marker holds it."""
+    found = read_marker(root)
+    if found == identity:
+        return None
+    return (f"{root} no longer holds root {identity} "
+            f"({'no marker' if found is None else 'root ' + found}): unmounted or replaced")

@@ -4,6 +4,7 @@ waits on conditions (ending processes: :mod:`kvpersist.testing.processes`)."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import os
 import time
@@ -35,6 +36,20 @@ def l2_files(root: Path, suffixes: tuple[str, ...] = L2_SUFFIXES) -> dict[str, s
     """name → sha256 of content, for every L2 data file directly in ``root``."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
             for p in l2_data_files(root, suffixes)}
+
+
+#: ``renameat2`` flag: swap two existing paths in one step.
+RENAME_EXCHANGE = 2
+AT_FDCWD = -100
+
+
+def exchange_paths(a: Path, b: Path) -> None:
+    """Swap ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``): a watcher of
+    either path never finds it missing, as when a device is unmounted from its mount point."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 60.0,
