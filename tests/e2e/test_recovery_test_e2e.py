@@ -51,15 +51,19 @@ def tiny_recipe(model: Path) -> list[str]:
 
 @pytest.mark.skipif(slow_disk.unavailable() is not None, reason=str(slow_disk.unavailable()))
 def test_both_scenarios_pass_with_disk_evidence(tiny_model: Path, tmp_path: Path) -> None:
-    with slow_disk.slow_disk(tmp_path, size_mb=256, read_bytes_per_s=0) as disk:
+    """Two L2 roots, each on its own loop device: the evidence names both devices (the first
+    through KVP_CACHE_BLOCK_DEVICE, the second found from its root)."""
+    with slow_disk.slow_disks(tmp_path, 2, size_mb=256, read_bytes_per_s=0) as disks:
         # The server is restarted through a command, as a unit's would be
         # (KVP_SERVER_RESTART='systemctl restart kvp-server'): kvp-server stop, then start.
         admin = f"{sys.executable} -m kvpersist.admin.cli server"
-        env = {**server_env(disk.mount / "cache"), "KVP_IDENTITY_PINS": str(TINY_PINS),
-               "VLLM_CPU_KVCACHE_SPACE": "1", "KVP_CACHE_BLOCK_DEVICE": disk.device,
+        roots = server_env(disks[0].mount / "cache",
+                           KVP_CACHE_EXTRA_ROOTS=str(disks[1].mount / "cache"))
+        env = {**roots, "KVP_IDENTITY_PINS": str(TINY_PINS),
+               "VLLM_CPU_KVCACHE_SPACE": "1", "KVP_CACHE_BLOCK_DEVICE": disks[0].device,
                "KVP_SERVER_RESTART": f"sh -c 'touch {tmp_path}/restarted && {admin} stop && "
                                      f"{admin} start'"}
-        settings = load_settings(server_env(disk.mount / "cache"))
+        settings = load_settings(roots)
         start_server(settings)
         try:
             code, results, output = recovery_test(env, tmp_path / "out", *tiny_recipe(tiny_model))
@@ -76,6 +80,10 @@ def test_both_scenarios_pass_with_disk_evidence(tiny_model: Path, tmp_path: Path
                      "identical answer", "TTFT dropped"):
             assert (scenario, name) in names, (scenario, name)
     assert ("A", "L1 cleared") in names and ("B", "read from the cache device") in names
+    device_check, = (c for c in checks if c["name"] == "read from the cache device")
+    for disk in disks:  # each root's device counted and named
+        assert f"{Path(disk.device).name}: " in device_check["detail"], device_check
+    assert results["l2_roots"] == [str(d.mount / "cache") for d in disks]
     figures = results["figures"]
     assert isinstance(figures, dict)
     assert all(figures[k]["ttft_s"] > 0 for k in ("cold", "A", "B"))

@@ -11,10 +11,11 @@ Invariants
   found before anything is started.
 * A hit counts as "from L2" only with evidence: the server's L2 hit counter moved after a marker
   taken before the request, L1 was cleared first (scenario A), and in scenario B the read
-  sectors of the cache device grew after the page cache was dropped (or, with
+  sectors of a cache device grew after the page cache was dropped (or, with
   ``evict="cache-files"``, the cache files' own pages evicted: every other process keeps its
-  cached pages).  Evidence that cannot be
-  had (no block device behind the cache root, no right to drop the page cache, L1 not
+  cached pages).  With several L2 roots every root's device is counted and named, and a read
+  from any of them is the evidence (a chat's chunks are spread over them).  Evidence that
+  cannot be had (no block device behind any root, no right to drop the page cache, L1 not
   clearable) makes the check INCONCLUSIVE, never a PASS.
 * The verdict is FAIL when any check failed, else INCONCLUSIVE when any check was, else PASS.
 * The server is restarted the way the operator says (``KVP_SERVER_RESTART``, e.g.
@@ -97,6 +98,46 @@ def block_device_of(path: Path, named: str | None) -> str | None:
     major, minor = os.major(st.st_dev), os.minor(st.st_dev)
     link = Path(f"/sys/dev/block/{major}:{minor}")
     return link.resolve().name if link.exists() else None
+
+
+def root_devices(roots: Sequence[Path], named: str | None) -> list[tuple[Path, str | None]]:
+    """Each L2 root with its /proc/diskstats device name: ``named`` (``KVP_CACHE_BLOCK_DEVICE``)
+    stands for the first root only; every other root's device is found from its path."""
+    return [(root, block_device_of(root, named if i == 0 else None))
+            for i, root in enumerate(roots)]
+
+
+@dataclass(frozen=True)
+class DeviceReads:
+    """Sectors read from each root's device before a restore (None: no device or no count)."""
+
+    before: list[tuple[Path, str | None, int | None]]
+
+    @classmethod
+    def take(cls, devices: Sequence[tuple[Path, str | None]],
+             diskstats: Path = Path("/proc/diskstats")) -> DeviceReads:
+        return cls([(root, dev, sectors_read(dev, diskstats) if dev else None)
+                    for root, dev in devices])
+
+    def unknown(self) -> list[Path]:
+        """Roots whose device reads cannot be counted."""
+        return [root for root, dev, sectors in self.before if dev is None or sectors is None]
+
+    def verdict(self, diskstats: Path = Path("/proc/diskstats")) -> tuple[bool | None, str]:
+        """(True: some root's device was read since :meth:`take`; False: none was; None: no
+        root's reads can be counted) and a detail naming every device.  The chunks of a chat are
+        spread over the roots, so a read from any of their devices is the evidence."""
+        parts, grew, counted = [], False, False
+        for root, dev, sectors in self.before:
+            now = sectors_read(dev, diskstats) if dev else None
+            if dev is None or sectors is None or now is None:
+                parts.append(f"{root}: no block device (set KVP_CACHE_BLOCK_DEVICE for the "
+                             "first root)" if dev is None else f"{dev}: not in diskstats")
+                continue
+            counted = True
+            grew = grew or now > sectors
+            parts.append(f"{dev}: {sectors} -> {now} sectors read")
+        return (grew if counted else None), "; ".join(parts)
 
 
 def sectors_read(device: str, diskstats: Path = Path("/proc/diskstats")) -> int | None:
@@ -198,7 +239,8 @@ class RecoveryTest:
         (self.out / "results.json").write_text(json.dumps({
             "verdict": self.verdict, "checks": [asdict(c) for c in self.checks],
             "figures": self.figures, "recipe": self.recipe,
-            "cache_root": str(self.settings.cache_root)}, indent=2) + "\n")
+            "cache_root": str(self.settings.cache_root),
+            "l2_roots": [str(r) for r in self.settings.l2_roots]}, indent=2) + "\n")
 
     # -- the run
     def run(self) -> str:
@@ -325,23 +367,16 @@ class RecoveryTest:
                 if self.evict == "page-cache":
                     drop_page_cache()
                 else:
-                    evict_files(self.settings.cache_root)
+                    for root in self.settings.l2_roots:
+                        evict_files(root)
             except OSError as exc:
                 dropped = (f"cannot drop the page cache ({exc.strerror}); run as root"
                            if self.evict == "page-cache" else
                            f"cannot evict the cache files' pages ({exc.strerror})")
-            device = block_device_of(self.settings.cache_root, self.device)
-            reads = sectors_read(device) if device else None
+            reads = DeviceReads.take(root_devices(self.settings.l2_roots, self.device))
             vllm.start(timeout=self.vllm_timeout_s)
-            evidence: tuple[str, int] | str
-            if dropped is not None:
-                evidence = dropped
-            elif device is None or reads is None:
-                evidence = (f"no block device behind {self.settings.cache_root} "
-                            "(set KVP_CACHE_BLOCK_DEVICE)")
-            else:
-                evidence = (device, reads)
-            self.restored("B", vllm, messages, cold, device_reads=evidence)
+            self.restored("B", vllm, messages, cold,
+                          device_reads=reads if dropped is None else dropped)
         except (http.HttpError, RuntimeError, ServerError, OSError, ValueError) as exc:
             self.check("run", "the run completed", False, f"{type(exc).__name__}: {exc}")
         finally:
@@ -356,7 +391,7 @@ class RecoveryTest:
                     self.check("run", "server restarted after the test", False, str(exc))
 
     def restored(self, scenario: str, vllm: LauncherVllm, messages: list[dict[str, str]],
-                 cold: StreamedChat, *, device_reads: tuple[str, int] | str | None) -> None:
+                 cold: StreamedChat, *, device_reads: DeviceReads | str | None) -> None:
         before = Marker.read(self.settings)
         warm = self._chat(vllm, messages)
         after = self._settle()
@@ -370,11 +405,7 @@ class RecoveryTest:
             if isinstance(device_reads, str):
                 self.check(scenario, "read from the cache device", None, device_reads)
             else:
-                device, sectors = device_reads
-                now = sectors_read(device)
-                self.check(scenario, "read from the cache device",
-                           now is not None and now > sectors,
-                           f"{device}: {sectors} -> {now} sectors read")
+                self.check(scenario, "read from the cache device", *device_reads.verdict())
         self.check(scenario, "no new L2 data for the same chat",
                    after.used_bytes <= before.used_bytes,
                    f"L2 bytes {before.used_bytes:.0f} -> {after.used_bytes:.0f}")

@@ -80,9 +80,52 @@ class SlowDisk:
 
 
 @contextlib.contextmanager
-def slow_disk(workdir: Path, *, size_mb: int, read_bytes_per_s: int) -> Iterator[SlowDisk]:
+def throttle_group() -> Iterator[Path]:
+    """A blkio cgroup, removed on exit (its processes are moved back to the root group first).
+    Its throttles are per device: disks made in one group are limited each on its own, as
+    separate drives are."""
+    cgroup = BLKIO / f"kvpersist-slow-{uuid.uuid4().hex[:8]}"
+    cgroup.mkdir()
+    try:
+        yield cgroup
+    finally:
+        for pid in (cgroup / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (BLKIO / "cgroup.procs").write_text(f"{pid}\n")
+        with contextlib.suppress(OSError):
+            cgroup.rmdir()
+
+
+@contextlib.contextmanager
+def slow_disks(workdir: Path, count: int, *, size_mb: int, read_bytes_per_s: int,
+               write_bytes_per_s: int = 0) -> Iterator[list[SlowDisk]]:
+    """``count`` slow disks (``workdir/disk<i>/mnt``), each limited to the same rates on its own
+    and sharing one cgroup, so one admitted process reads from all of them at up to ``count``
+    times the rate (0 lifts a limit)."""
+    with contextlib.ExitStack() as stack:
+        cgroup = stack.enter_context(throttle_group())
+        disks = [stack.enter_context(slow_disk(workdir / f"disk{i}", size_mb=size_mb,
+                                               read_bytes_per_s=read_bytes_per_s,
+                                               cgroup=cgroup))
+                 for i in range(count)]
+        for disk in disks:
+            disk.set_write_rate(write_bytes_per_s)
+        yield disks
+
+
+@contextlib.contextmanager
+def slow_disk(workdir: Path, *, size_mb: int, read_bytes_per_s: int,
+              cgroup: Path | None = None) -> Iterator[SlowDisk]:
     """A fresh file system of ``size_mb`` at ``workdir/mnt`` reading at ``read_bytes_per_s`` for
-    admitted processes; everything is undone on exit (admitted processes must be stopped)."""
+    admitted processes; everything is undone on exit (admitted processes must be stopped).
+    ``cgroup`` (from :func:`throttle_group`): the throttle group to add this device's limits to
+    and leave in place; by default the disk has a group of its own."""
+    if cgroup is None:
+        with throttle_group() as own, slow_disk(workdir, size_mb=size_mb,
+                                                read_bytes_per_s=read_bytes_per_s,
+                                                cgroup=own) as disk:
+            yield disk
+        return
     backing, mount = workdir / "slow-backing", workdir / "mnt"
     image = backing / "slow.img"
     mount.mkdir(parents=True, exist_ok=True)
@@ -90,7 +133,6 @@ def slow_disk(workdir: Path, *, size_mb: int, read_bytes_per_s: int) -> Iterator
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb + 1}m,mode=0700", "tmpfs",
                     str(backing)], check=True, capture_output=True)
     device = ""
-    cgroup = BLKIO / f"kvpersist-slow-{uuid.uuid4().hex[:8]}"
     try:
         with image.open("wb") as fh:
             fh.truncate(size_mb << 20)
@@ -100,16 +142,9 @@ def slow_disk(workdir: Path, *, size_mb: int, read_bytes_per_s: int) -> Iterator
         subprocess.run(["mount", device, str(mount)], check=True, capture_output=True)
         st = os.stat(device)
         disk = SlowDisk(mount, device, f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}", cgroup)
-        cgroup.mkdir()
         disk.set_read_rate(read_bytes_per_s)
         yield disk
     finally:
-        if cgroup.exists():
-            for pid in (cgroup / "cgroup.procs").read_text().split():
-                with contextlib.suppress(OSError):
-                    (BLKIO / "cgroup.procs").write_text(f"{pid}\n")
-            with contextlib.suppress(OSError):
-                cgroup.rmdir()
         subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
         if device:
             subprocess.run(["losetup", "-d", device], check=False, capture_output=True)
