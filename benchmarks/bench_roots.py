@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -93,6 +94,39 @@ def run_all(cmds: list[list[str]]) -> float:
         if proc.returncode:
             raise RuntimeError(f"{proc.args!r}: {err.decode(errors='replace')}")
     return time.perf_counter() - began
+
+
+class ReadWatch:
+    """Samples the devices' read bytes (every 5 ms) from entry to exit: when the first and the
+    last byte were read, in seconds from entry (None: nothing was read)."""
+
+    def __init__(self, disks: list[SlowDisk]) -> None:
+        self.disks = disks
+        self.first_s: float | None = None
+        self.last_s: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _total(self) -> int:
+        return sum(disk.read_bytes() for disk in self.disks)
+
+    def _sample(self) -> None:
+        seen = self._total()
+        while not self._stop.wait(0.005):
+            now = self._total()
+            if now != seen:
+                at = time.perf_counter() - self._began
+                self.first_s = at if self.first_s is None else self.first_s
+                self.last_s, seen = at, now
+
+    def __enter__(self) -> ReadWatch:
+        self._began = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def raw_parallel_write(disks: list[SlowDisk], nbytes: int) -> float:
@@ -178,7 +212,8 @@ def one_round(work: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
             d = BenchDriver(settings.request_url, settings.http_url, MODEL,
                             num_tokens=args.tokens, shape_spec=spec, num_blocks=blocks,
                             transfer_mode="lmcache_driven")
-            trip = d.timed_restore(0, sums)
+            with ReadWatch(disks) as watch:
+                trip = d.timed_restore(0, sums)
             d.close()
             read_by_restore = [disk.read_bytes() - b for disk, b in zip(disks, read_before, strict=True)]
     mean = sum(device_bytes) / n
@@ -189,7 +224,9 @@ def one_round(work: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
             "l1_to_l2_s": l1_to_l2_s, "raw_write_s": raw_write_s,
             "raw_cat_s": raw_cat_s, "raw_direct_s": raw_direct_s,
             "raw_read_s": min(raw_cat_s, raw_direct_s),
-            "l2_to_l1_s": trip.lookup_s, "restore_s": trip.restore_s}
+            "l2_to_l1_s": trip.lookup_s, "restore_s": trip.restore_s,
+            # when the devices read, from the LOOKUP's start: the fixed cost's two ends
+            "first_read_s": watch.first_s, "last_read_s": watch.last_s}
 
 
 def summarize(rows: list[dict[str, Any]], counts: list[int]) -> list[dict[str, Any]]:
@@ -217,6 +254,11 @@ def summarize(rows: list[dict[str, Any]], counts: list[int]) -> list[dict[str, A
             "raw_read_gb_s": gb / med([r["raw_read_s"] for r in mine]),
             "x_raw_read": med([r["raw_read_s"] / r["l2_to_l1_s"] for r in mine]),
             "excess_s": med([r["l2_to_l1_s"] - r["raw_read_s"] for r in mine]),
+            # the LOOKUP's start to the first device read, and the last read to its end
+            "before_reads_s": (med(v) if (v := [r["first_read_s"] for r in mine
+                                                if r.get("first_read_s") is not None]) else None),
+            "after_reads_s": (med(v) if (v := [r["l2_to_l1_s"] - r["last_read_s"] for r in mine
+                                               if r.get("last_read_s") is not None]) else None),
             "x_n_one_device": med(scaling) if scaling else None,
             "store_gb_s": gb / med([r["l1_to_l2_s"] for r in mine]),
             "raw_write_gb_s": gb / med([r["raw_write_s"] for r in mine]),
@@ -249,6 +291,11 @@ def report(rows: list[dict[str, Any]], counts: list[int], mb_s: float, json_out:
               f"{s['excess_s']:>9.2f} {s['store_gb_s']:>11.3f} "
               f"{fmt(s['store_x_n_one_device']):>8} {s['x_raw_write']:>11.2f} "
               f"{s['imbalance']:>9.3f}")
+    if any(s.get("before_reads_s") is not None for s in summary):
+        print("the LOOKUP's time outside the device reads (median s): "
+              + "; ".join(f"N={s['devices']}: {fmt(s.get('before_reads_s'), '.3f')} before the "
+                          f"first read, {fmt(s.get('after_reads_s'), '.3f')} after the last"
+                          for s in summary))
     print("(x N*one: this N's rate / N x the one-device rate of the same round; x raw read: "
           "the faster cold raw parallel read (a cat per device at once, or 8 O_DIRECT dd at a "
           "time) / L2->L1 time; excess: L2->L1 time - that raw read's, in seconds; x raw write: "
