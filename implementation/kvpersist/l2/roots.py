@@ -38,7 +38,7 @@ from typing import Any
 
 from .index import KeysCallback
 from .layout import KeyFields
-from .placement import place, rank
+from .placement import rank
 from .root_health import RootRefused, RootRegister, claim, probe
 from .store import KvFileStore
 
@@ -282,26 +282,30 @@ class RootSet:
 
     def _holder(self, key: KeyFields) -> int:
         """The root holding ``key``: the placed one unless another healthy root indexes it."""
-        placed = place(key, self._names)
+        return self._find(key)[0]
+
+    def _find(self, key: KeyFields) -> tuple[int, int]:
+        """(the root holding ``key``, the root placement picks for it).  The indexes are read
+        without counting an operation in flight: a root degraded meanwhile is caught by the
+        :meth:`_using` that the caller's operation goes through."""
         if not self.several:
-            return placed
-        with self._using(placed) as store:
+            return 0, 0
+        order = rank(key, self._names)
+        for i in order:
+            root = self._roots[i]
+            store = root.store if root.state == HEALTHY else None
             if store is not None and key in store.index:
-                return placed
-        for i in rank(key, self._names)[1:]:
-            with self._using(i) as store:
-                if store is not None and key in store.index:
-                    return i
-        return placed
+                return i, order[0]
+        return order[0], order[0]
 
     def put(self, key: KeyFields, payload: Any, layout: dict[str, Any] | None = None) -> str:
         """The store's outcome on the placed root, 'exists' when another root holds the key,
         'degraded' when the placed root is."""
-        holder = self._holder(key)
+        holder, placed = self._find(key)
         with self._using(holder) as store:
             if store is None:
                 return "degraded"
-            if holder != place(key, self._names):
+            if holder != placed:
                 return "exists"
             return store.put(key, payload, layout)
 
