@@ -57,6 +57,9 @@ TINY = Geometry(MODEL_ID, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MAX_POS)
 LONG_CONTEXT = Geometry("kvpersist/tiny-llama-long", HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, 40960)
 #: Cheap to compute, 64 KiB of KV per token (a 2k-token chat is 128 MiB): for restore tests.
 WIDE_KV = Geometry("kvpersist/tiny-llama-wide-kv", 512, 16, 8, 8, 64, 4096)
+#: The traffic runs' model: chats up to 64k tokens, 4 KiB of KV per token (1 MiB per chunk) on
+#: two cheap layers, so a 2-core host serves many users and the tier still moves real bytes.
+TRAFFIC = Geometry("kvpersist/tiny-llama-traffic", HIDDEN, LAYERS, HEADS, 4, 64, 66560)
 
 
 def content_revision(folder: Path) -> str:

@@ -1,7 +1,8 @@
 """A small line plot as PNG with Pillow (already installed with vLLM), for benchmark results.
 
 Invariant: every line is drawn in its own colour with a legend entry; the y axis is log-scaled
-when asked (times spanning orders of magnitude), and both axes carry their labels and ticks.
+when asked (times spanning orders of magnitude), and both axes carry their labels and ticks (a
+tick at every x of a short series, nine evenly spaced ones along a long one).
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ def line_plot(path: Path, title: str, x_label: str, y_label: str,
         _, py = to_px(x_min, value)
         draw.line([(left - 5, py), (width - right, py)], fill="#dddddd")
         draw.text((8, py - 8), f"{value:g}", fill="black", font=font)
-    for x in xs:
+    # a time series has too many points to label each: then 9 evenly spaced ticks
+    ticks_x = xs if len(xs) <= 12 else [x_min + x_span * k / 8 for k in range(9)]
+    for x in ticks_x:
         px, _ = to_px(x, 10**y_min if log_y else y_min)
         draw.line([(px, height - bottom), (px, height - bottom + 5)], fill="black")
-        draw.text((px - 20, height - bottom + 10), f"{x:g}", fill="black", font=font)
+        draw.text((px - 20, height - bottom + 10), f"{x:.4g}", fill="black", font=font)
     draw.text((left + (width - left - right) / 2 - 60, height - 28), x_label, fill="black",
               font=font)
     draw.text((8, top - 28), y_label, fill="black", font=font)
@@ -69,7 +72,7 @@ def line_plot(path: Path, title: str, x_label: str, y_label: str,
         shown = [to_px(x, y) for x, y in sorted(pts) if y > 0 or not log_y]
         if len(shown) > 1:
             draw.line(shown, fill=colour, width=3)
-        for px, py in shown:
+        for px, py in shown if len(shown) <= 60 else ():  # markers unless a dense series
             draw.ellipse([px - 4, py - 4, px + 4, py + 4], fill=colour)
         ly = top + 22 * n
         draw.line([(width - right + 15, ly + 8), (width - right + 40, ly + 8)], fill=colour,

@@ -284,7 +284,8 @@ class VllmServer:
 
 @dataclass(frozen=True)
 class StreamedChat:
-    """A streamed chat completion: the answer, and the time to its first token."""
+    """A streamed chat completion: the answer, the time to its first token, and when each token
+    arrived (seconds after the request was sent, in stream order)."""
 
     text: str
     tokens: list[str]
@@ -292,23 +293,31 @@ class StreamedChat:
     seconds: float
     prompt_tokens: int
     cached_tokens: int
+    logprobs: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
 
 
 def stream_chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: int = 16,
-                timeout: float = 600.0, model: str | None = None) -> StreamedChat:
+                timeout: float = 600.0, model: str | None = None,
+                cache_salt: str | None = None) -> StreamedChat:
     """One streamed chat completion at temperature 0; the time to first token is measured on
-    the first content chunk.  ``timeout`` bounds every socket operation."""
+    the first content chunk.  ``timeout`` bounds every socket operation; ``cache_salt`` as
+    :func:`chat`."""
     import http.client as http_client
     import json
     import urllib.parse
 
     body = {**chat_body(base_url, messages, max_tokens=max_tokens, model=model),
             "stream": True, "stream_options": {"include_usage": True}}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     parts = urllib.parse.urlsplit(base_url)
     conn = http_client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     began = time.monotonic()
     ttft: float | None = None
     tokens: list[str] = []
+    logprobs: list[float] = []
+    token_times: list[float] = []
     text: list[str] = []
     usage: dict[str, Any] = {}
     try:
@@ -329,9 +338,12 @@ def stream_chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: in
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
                 content = (choice.get("logprobs") or {}).get("content") or []
+                now = time.monotonic() - began
                 if content and ttft is None:
-                    ttft = time.monotonic() - began
+                    ttft = now
                 tokens.extend(str(c["token"]) for c in content)
+                logprobs.extend(float(c["logprob"]) for c in content)
+                token_times.extend(now for _ in content)
                 text.append((choice.get("delta") or {}).get("content") or "")
     except OSError as exc:
         raise http.HttpError(f"no answer from {base_url}: {exc}") from None
@@ -340,4 +352,4 @@ def stream_chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: in
     details = usage.get("prompt_tokens_details") or {}
     return StreamedChat("".join(text), tokens, ttft if ttft is not None else float("nan"),
                         time.monotonic() - began, int(usage.get("prompt_tokens") or 0),
-                        int(details.get("cached_tokens") or 0))
+                        int(details.get("cached_tokens") or 0), logprobs, token_times)

@@ -238,6 +238,27 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
              "68f2432c97cac577"),
         )),
     Feature(
+        "engine_release",
+        purpose="a CPU engine's KV mapping leaves the server when the engine goes: LMCache's "
+                "pin on every to_tensor mapping is dropped so unregistering unmaps it, and an "
+                "engine whose process is gone is unregistered at the next registration or "
+                "reaper pass (lmcache_compat.engine_release)",
+        if_off="LMCache's own behaviour: every CPU engine that registered stays mapped in the "
+               "server (its whole KV cache resident) until the server restarts",
+        sources=(
+            ("lmcache.v1.platform.devices.cpu.shm", "CpuShmTensorWrapper.to_tensor",
+             "68f2432c97cac577"),
+            ("lmcache.v1.platform.devices.cpu.shm", "_release_shm_segment", "a15a849966feb9cb"),
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.register_kv_cache",
+             "c8c05d9edf7277c9"),
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.unregister_kv_cache",
+             "b75a91695239ec36"),
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.reap_stale_instances",
+             "28f9355e8f0dbb88"),
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule._release_entries",
+             "f55c0b6041051e88"),
+        )),
+    Feature(
         "adapter_loading",
         purpose="the server imports only the L2 adapter modules its command line names, not "
                 "all of LMCache's (lmcache_compat.adapter_loading): 3 s off every start",

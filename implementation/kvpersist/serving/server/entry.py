@@ -197,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..lmcache_compat import cpu_transfer
 
         cpu_transfer.install()
+    from ..lmcache_compat import engine_release
+
+    engine_release.install()
     if args.request_socket is not None:
         try:
             install(args.request_socket, args.http_socket, args.socket_mode, args.socket_group)
