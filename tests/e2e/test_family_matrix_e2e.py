@@ -2,9 +2,12 @@
 docs/models.md): tiny random-weight checkpoints through ``write-pins``, ``kvp-server`` and
 ``kvp-vllm``, both processes restarted between a cold and a restored answer.
 
-* DeepSeek-V2 style MLA (bfloat16, an MoE): every full chunk from L2, bit-identical to cold.
-  Without the re-pointing of its layer views (``lmcache_compat.kv_views``) the restored answer
-  differed from its first token (measured, and the reason this family is in the core).
+* DeepSeek-V2 style MLA (bfloat16, an MoE): on a host with AMX, every full chunk from L2,
+  bit-identical to cold; without the re-pointing of its layer views
+  (``lmcache_compat.kv_views``) the restored answer differed from its first token (measured,
+  and the reason this family is in the core).  On a host without AMX (an AMD EPYC CI host)
+  vLLM runs MLA on its reference kernel, which cannot continue a prefill from cached KV: the
+  gate refuses it by name, and the pins writer names the block size vLLM forces there (16).
 * Llama with n-gram speculative decoding: cached, bit-identical (the proposer adds no KV).
 
 The refused families (window groups, recurrent state) are left to the whole matrix: their gate
@@ -33,7 +36,10 @@ def test_the_core_families_are_cached_exactly(tmp_path: Path) -> None:
     for r in results:
         assert r.passed, report
     cached = [r for r in results if r.outcome == "cached"]
-    assert {r.family for r in cached} == set(CORE), report
+    # on a host without AMX the MLA family is refused by name (family_matrix.for_this_host)
+    assert {r.family for r in cached} == {r.family for r in results if r.expect == "cached"}, \
+        report
+    assert "llama-ngram" in {r.family for r in cached}, report
     for r in cached:  # the judgement had something to judge
         assert r.full_chunks >= 3 and r.restored_tokens == 256 * r.full_chunks, report
         assert r.identical is True, report

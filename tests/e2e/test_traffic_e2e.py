@@ -89,3 +89,16 @@ def test_the_server_lets_go_of_a_stopped_engines_kv_cache(run: dict[str, Any]) -
     seen = run["server_kv_mappings_after_engine_stop"]
     assert seen["mapped_before"], seen  # the engine's cache was mapped while it served
     assert seen["released_within_s"] is not None, seen
+
+
+def test_the_bypass_engine_keeps_the_connector_and_identity_but_never_caches(
+        run: dict[str, Any]) -> None:
+    """``KVP_CACHE_BYPASS=1`` (the engine the sample is asked of, on the same server and tree):
+    the connector stays loaded, resolves and records the identity, says so in vLLM's log, and
+    neither looks up nor stores.  The serving engine before it stored and hit on the same
+    stack (the control that shows this can fail)."""
+    bypass = run["bypass_engine"]
+    assert bypass["stores"] == 0 and bypass["external_hits"] == 0, bypass
+    assert bypass["says_bypass"] and bypass["connector_loaded"], bypass
+    assert bypass["namespace_logged"] in bypass["namespaces_recorded"], bypass
+    assert run["tier_at_end"]["files"] > 0 and run["hit_rate"]["overall"]["measured"] > 0

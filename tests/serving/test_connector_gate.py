@@ -385,3 +385,36 @@ def test_draft_free_speculative_decoding_is_cached_and_a_draft_model_is_refused(
         "model": str(tiny_model), "num_speculative_tokens": 2})
     decision = decide(drafted, environ={}, probe=lambda _: True)
     assert isinstance(decision, Closed) and "speculative_config" in decision.reason
+
+
+def mla_engine(*, use_mla: bool = True, model_type: str = "deepseek_v2",
+               backend: str | None = None) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(use_mla=use_mla,
+                                     hf_config=SimpleNamespace(model_type=model_type)),
+        attention_config=SimpleNamespace(
+            backend=None if backend is None else SimpleNamespace(name=backend)))
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_an_mla_model_on_cpu_without_amx_is_refused_by_name(monkeypatch: pytest.MonkeyPatch,
+                                                             amx: bool) -> None:
+    """vLLM's CPU platform runs MLA on its reference kernel without AMX (no prefill over a
+    cached prefix): the gate closes, naming why; with AMX (this host's answer replaced) the
+    AMX kernel continues prefills and nothing is refused, unless the reference backend is
+    forced."""
+    import torch
+
+    from kvpersist.serving.connector.gate import prefill_cannot_resume
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    reason = prefill_cannot_resume(mla_engine())
+    assert (reason is None) == amx
+    if reason is not None:
+        assert "reference kernel" in reason and "cannot continue a prefill" in reason
+    assert prefill_cannot_resume(mla_engine(use_mla=False)) is None
+    assert prefill_cannot_resume(mla_engine(backend="CPU_MLA")) is not None  # forced
+    assert (prefill_cannot_resume(mla_engine(model_type="deepseek_v4", backend="CPU_MLA"))
+            is None) == amx

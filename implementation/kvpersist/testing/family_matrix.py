@@ -29,6 +29,7 @@ Invariants
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import subprocess
@@ -132,9 +133,25 @@ def _namespace(gate_line: str) -> str:
     return match.group(0) if match else "(no namespace)"
 
 
+#: What the gate says of an MLA model on a CPU host without AMX (serving.connector.gate).
+MLA_WITHOUT_AMX = "refused: cannot continue a prefill from cached KV"
+
+
+def for_this_host(family: Family) -> Family:
+    """``family`` with what this host's vLLM makes of it: an MLA model runs on vLLM's CPU
+    reference kernel without AMX, which cannot continue a prefill from cached KV, and the gate
+    refuses it (``prefill_cannot_resume``); with AMX it is cached as the family says."""
+    from ..admin.vllm_block_size import amx_mla, uses_mla
+
+    if uses_mla({"model_type": family.model_type, **family.config}) and not amx_mla():
+        return dataclasses.replace(family, expect=MLA_WITHOUT_AMX)
+    return family
+
+
 def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyResult]:
     """Both rounds for ``families`` (see the module docstring); never raises for a family's
     failure, which is recorded in its result."""
+    families = [for_this_host(f) for f in families]
     work.mkdir(parents=True, exist_ok=True)
     env = server_env(work / "cache", KVP_CACHE_BUDGET_GB="2")
     settings = load_settings(env)

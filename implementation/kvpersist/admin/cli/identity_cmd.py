@@ -38,9 +38,10 @@ from ...identity.sources import (
     chat_template_digest,
     from_model_folder,
     hf_snapshot_origin,
+    read_model_config,
 )
 from ...identity.weights_digest import FileDigestCache, default_cache_dir, folder_bytes, weights_digest
-from .. import vllm_quantization
+from .. import vllm_block_size, vllm_quantization
 from ..pins_writer import (
     TOKENIZER_FILES,
     PinsError,
@@ -81,6 +82,17 @@ def engine_flags(args: argparse.Namespace) -> IdentityFlags:
     return dataclasses.replace(recipe, **explicit)
 
 
+def text_config(folder: str) -> dict[str, object]:
+    """The text part of the model folder's config.json (empty when it cannot be read: the
+    field is then resolved by the rest of the pins writer, which reports the folder's error)."""
+    try:
+        cfg = read_model_config(Path(folder) / "config.json")
+    except ValueError:
+        return {}
+    inner = cfg.get("text_config")
+    return dict(inner) if isinstance(inner, dict) else cfg
+
+
 def model_folder(args: argparse.Namespace, flags: IdentityFlags) -> str | None:
     """``--model-folder``, else the recipe's model when it is a local folder."""
     return args.model_folder or (flags.model if flags.model and Path(flags.model).is_dir()
@@ -112,6 +124,8 @@ def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
         live["chat_template_sha256"] = chat_template_digest(template_text)
     for name in ("block_size", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len"):
         value = getattr(flags, name)
+        if name == "block_size" and folder:  # the engine's platform may override the request
+            value = vllm_block_size.resolve(value, text_config(folder))
         if value is not None:
             live[name] = value
     live.update(overrides(args.set or []))

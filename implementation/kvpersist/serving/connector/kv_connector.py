@@ -87,6 +87,7 @@ from .gate import (
     Closed,
     decide,
     engine_driven_with_groups,
+    prefill_cannot_resume,
     record_identity,
     registration_refusal,
     window_frees_unfenced,
@@ -269,6 +270,7 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             unsafe = lmcache_pins.unsafe_reasons()
             for refusal in (engine_driven_with_groups(vllm_config, kv_cache_config),
                             window_frees_unfenced(vllm_config, kv_cache_config),
+                            prefill_cannot_resume(vllm_config),
                             registration_refusal(kv_cache_config,
                                                  decision.options.chunk_size)):
                 if refusal is not None:

@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from ...config.server import ServerSettings, load_settings
-from ...demo.stack import SERVED_MODEL_NAME, VllmProcess
+from ...demo.stack import SERVED_MODEL_NAME, VllmProcess, metric_sum
+from ...identity.records import list_records
 from ...serving.lmcache_compat import status as server_status
 from ...serving.pidfile import read_pid_file
 from ...serving.server.lifecycle import start_server, stop_server
 from ...serving.shm_sweep import python_segments
-from ..helpers import server_env, wait_for_l2_idle
+from ..helpers import adapter_status, server_env, wait_for_l2_idle
 from .resources import shm_usage, tree_usage
 from .shape import TrafficShape
 from .summary import hit_rates, inter_token_latency, trend, ttft_by_length
@@ -53,6 +54,7 @@ GIB = 1 << 30
 #: How long a stopped engine's KV mapping may stay in the server: its unregister, or else the
 #: next pass of LMCache's reaper (every 30 s) finding its process gone.
 RELEASE_WAIT_S = 45.0
+NAMESPACE = re.compile(r"kvp-[0-9a-f]{32}")
 KV_SEGMENT = re.compile(r"/dev/shm/lmcache_kv_([0-9]+)_[0-9]+")
 
 
@@ -341,6 +343,7 @@ def _checks(stack: TrafficStack, users: UserPool, records: list[RequestRecord],
     cold_engine.start()
     from ...serving.launcher.vllm_client import stream_chat
 
+    stores_before = int(adapter_status(stack.settings)["stores"])
     compared = []
     for first in chosen:
         conv = users.conversations[first.conversation]
@@ -348,11 +351,29 @@ def _checks(stack: TrafficStack, users: UserPool, records: list[RequestRecord],
                            max_tokens=plan.shape.max_tokens_out, timeout=900,
                            model=conv.model or SERVED_MODEL_NAME, cache_salt=conv.salt)
         compared.append(compare_answers(first, cold, exact=stack.spec.max_num_seqs == 1))
+    time.sleep(3.0)  # on purpose: a store that must not come has nothing to wait on
+    out["bypass_engine"] = bypass_evidence(stack, cold_engine, stores_before)
     out["wrong_answer_sample"] = {"exact": stack.spec.max_num_seqs == 1,
                                   "asked": len(compared),
                                   "wrong": sum(not c["ok"] for c in compared),
                                   "answers": compared}
     return out
+
+
+def bypass_evidence(stack: TrafficStack, engine: VllmProcess, stores_before: int
+                    ) -> dict[str, Any]:
+    """What shows that an engine with ``KVP_CACHE_BYPASS=1`` kept the connector and resolved the
+    identity but neither looked up nor stored: the server's stores since ``stores_before``, the
+    engine's external hits, its log lines and the namespaces recorded in the tree."""
+    log = engine.log_path.read_text(errors="replace")
+    logged = NAMESPACE.search(log[log.find("KVP_CACHE_BYPASS is on"):]) if \
+        "KVP_CACHE_BYPASS is on" in log else None
+    return {"stores": int(adapter_status(stack.settings)["stores"]) - stores_before,
+            "external_hits": metric_sum(engine.metrics(), "vllm:external_prefix_cache_hits_total"),
+            "says_bypass": "KVP_CACHE_BYPASS is on: namespace kvp-" in log,
+            "connector_loaded": "KvPersistConnector" in log,
+            "namespace_logged": logged.group(0) if logged else None,
+            "namespaces_recorded": sorted(list_records(stack.settings.cache_root))}
 
 
 def released_within(stack: TrafficStack, timeout_s: float) -> float | None:
