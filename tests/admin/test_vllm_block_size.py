@@ -13,13 +13,9 @@ from typing import Any
 import pytest
 
 from kvpersist.admin import vllm_block_size
+from kvpersist.testing.hf_configs import LLAMA
 
-_LLAMA: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 4096,
-    "torch_dtype": "bfloat16",
-}
+_LLAMA = LLAMA
 _DEEPSEEK_V2: dict[str, Any] = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -14,13 +14,9 @@ import pytest
 
 from kvpersist.admin.vllm_quantization import resolve
 from kvpersist.identity.quantization import checkpoint_quantization, engine_quantization
+from kvpersist.testing.hf_configs import LLAMA
 
-_LLAMA: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 4096,
-    "torch_dtype": "bfloat16",
-}
+_LLAMA = LLAMA
 _GPT_OSS: dict[str, Any] = {
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

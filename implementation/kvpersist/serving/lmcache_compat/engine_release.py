@@ -42,6 +42,7 @@ from typing import Any
 
 from ..pidfile import process_start_ticks
 from . import pins
+from .wrapping import wrap_method
 
 FEATURE = "engine_release"
 SEGMENT_PID = re.compile(r"^/?lmcache_kv_(?P<pid>[0-9]+)_[0-9]+$")
@@ -155,13 +156,6 @@ def _reaping(original: Callable[..., Any], watch: EngineWatch) -> Callable[..., 
     return reap_stale_instances
 
 
-def _wrap(cls: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    original = getattr(cls, name)
-    wrapper = make(original)
-    functools.update_wrapper(wrapper, original)  # keeps LMCache's handler attributes
-    setattr(cls, name, wrapper)
-
-
 def install() -> EngineWatch | None:
     """Install both changes in this (server) process; None (nothing installed, one line logged
     by :func:`.pins.available`) when LMCache's pinned functions changed."""
@@ -171,9 +165,9 @@ def install() -> EngineWatch | None:
     from lmcache.v1.platform.devices.cpu.shm import CpuShmTensorWrapper
 
     watch = EngineWatch()
-    _wrap(CpuShmTensorWrapper, "to_tensor", _unpinning)
-    _wrap(ld.LMCacheDrivenTransferModule, "register_kv_cache",
+    wrap_method(CpuShmTensorWrapper, "to_tensor", _unpinning)
+    wrap_method(ld.LMCacheDrivenTransferModule, "register_kv_cache",
           lambda orig: _registering(orig, watch))
-    _wrap(ld.LMCacheDrivenTransferModule, "reap_stale_instances",
+    wrap_method(ld.LMCacheDrivenTransferModule, "reap_stale_instances",
           lambda orig: _reaping(orig, watch))
     return watch

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import pins
+from ..wrapping import wrap_method
 from . import eviction, lookup_window, streamed_retrieve
 from .abandoned import AbandonedLookups, release_when_done
 from .route import add_served_route
@@ -42,29 +43,22 @@ def install(window_bytes: int) -> WindowState | None:
     state = WindowState(window_bytes)
     abandoned = AbandonedLookups()
     _log_to_stderr()
-    _wrap(sm_mod.StorageManager, "__init__", lambda orig: _attaching(orig, state))
-    _wrap(lk.LookupModule, "lookup", lambda orig: _remembering_lookups(orig, state))
-    _wrap(lk.LookupModule, "_consume_prefetch_result",
+    wrap_method(sm_mod.StorageManager, "__init__", lambda orig: _attaching(orig, state))
+    wrap_method(lk.LookupModule, "lookup", lambda orig: _remembering_lookups(orig, state))
+    wrap_method(lk.LookupModule, "_consume_prefetch_result",
           lambda orig: _reporting_promise(orig, state))
-    _wrap(lk.LookupModule, "free_lookup_locks",
+    wrap_method(lk.LookupModule, "free_lookup_locks",
           lambda orig: _releasing(orig, state, abandoned))
-    _wrap(lk.LookupModule, "end_session", lambda orig: _forgetting(orig, state))
-    _wrap(ld.LMCacheDrivenTransferModule, "retrieve", lambda orig: _streaming(orig, state))
-    _wrap(ld.LMCacheDrivenTransferModule, "register_kv_cache",
+    wrap_method(lk.LookupModule, "end_session", lambda orig: _forgetting(orig, state))
+    wrap_method(ld.LMCacheDrivenTransferModule, "retrieve", lambda orig: _streaming(orig, state))
+    wrap_method(ld.LMCacheDrivenTransferModule, "register_kv_cache",
           lambda orig: _registering(orig, state))
-    _wrap(ed.EngineDrivenTransferModule, "register_kv_cache_engine_driven_context",
+    wrap_method(ed.EngineDrivenTransferModule, "register_kv_cache_engine_driven_context",
           lambda orig: _registering_engine_driven(orig, state))
     from lmcache.v1.multiprocess import http_server
 
     add_served_route(state, http_server.app)
     return state
-
-
-def _wrap(cls: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    original = getattr(cls, name)
-    wrapper = make(original)
-    functools.update_wrapper(wrapper, original)  # keeps LMCache's handler attributes
-    setattr(cls, name, wrapper)
 
 
 def _log_to_stderr() -> None:
