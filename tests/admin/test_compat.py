@@ -84,11 +84,19 @@ def lmcache_copy(dst: Path) -> Path:
     return copy_files(LMCACHE_SITE, dst, rels)
 
 
+#: vLLM modules kvpersist reads the engine's resolution from (the block size vLLM's platform
+#: runs, whether a model is MLA), copied with the config package.
+RESOLUTION_MODULES = ("vllm.platforms.cpu", "vllm.platforms.interface",
+                      "vllm.transformers_utils.model_arch_config_convertor")
+
+
 def vllm_copy(dst: Path) -> Path:
-    """vLLM's config package and its connector base class."""
+    """vLLM's config package, its connector base class and :data:`RESOLUTION_MODULES`."""
     rels = [p.relative_to(VLLM_SITE).as_posix() for p in (VLLM_SITE / "vllm/config").glob("*.py")]
     rels += ["vllm/__init__.py", *module_files(VLLM_SITE, BASE.removesuffix(".py").replace(
         "/", "."))]
+    for module in RESOLUTION_MODULES:
+        rels += module_files(VLLM_SITE, module)
     return copy_files(VLLM_SITE, dst, rels)
 
 
