@@ -407,7 +407,7 @@ def test_an_mla_model_on_cpu_without_amx_is_refused_by_name(monkeypatch: pytest.
     forced."""
     import torch
 
-    from kvpersist.serving.connector.gate import prefill_cannot_resume
+    from kvpersist.serving.connector.platform_refusals import prefill_cannot_resume
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     reason = prefill_cannot_resume(mla_engine())

@@ -87,12 +87,12 @@ from .gate import (
     Closed,
     decide,
     engine_driven_with_groups,
-    prefill_cannot_resume,
     record_identity,
     registration_refusal,
     window_frees_unfenced,
 )
 from .metrics import KvPersistConnectorStats, KvPersistPromMetrics
+from .platform_refusals import prefill_cannot_resume
 from .request_keys import RequestKeys, lora_settings
 from .scheduler.side import SchedulerSide
 from .worker.side import WorkerSide
