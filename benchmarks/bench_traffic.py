@@ -64,6 +64,12 @@ def fmt(value: float | None, scale: float = 1.0, unit: str = "") -> str:
 
 
 def print_summary(res: dict[str, Any]) -> None:
+    for problem in ("check_error", "l2_not_idle"):
+        if problem in res:
+            print(f"{problem}: {res[problem]}")
+    if "hit_rate" not in res:
+        print(f"no summary: {len(res.get('records', []))} requests recorded")
+        return
     wrong = res.get("wrong_answer_sample", {})
     print(f"requests {res['requests']}, failed {res['failed']}; wrong answers "
           f"{wrong.get('wrong')} of {wrong.get('asked')} asked again "
@@ -177,11 +183,12 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     print_summary(res)
-    if args.plot:
+    if args.plot and "hit_rate" in res:
         for path in plot(res, args.plot):
             print(f"plot: {path}")
     wrong = res.get("wrong_answer_sample", {}).get("wrong")
-    return 0 if res["failed"] == 0 and not wrong and res["verify_check"].get("exit") == 0 else 1
+    clean = res.get("failed") == 0 and not wrong and "check_error" not in res
+    return 0 if clean and res["verify_check"].get("exit") == 0 else 1
 
 
 if __name__ == "__main__":

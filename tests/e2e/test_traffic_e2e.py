@@ -37,7 +37,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = build_tiny_model(tmp / "models", TRAFFIC)
     spec = StackSpec(model, pins_for_model(model, tmp / "pins.env", max_model_len=MAX_LEN),
                      tmp, l1_gb="0.03", budget_gb="0.024", max_model_len=MAX_LEN)
-    return run_traffic(spec, PLAN)
+    result = run_traffic(spec, PLAN)
+    assert "check_error" not in result and "l2_not_idle" not in result, result.get(
+        "check_error", result.get("l2_not_idle"))
+    return result
 
 
 def test_no_request_fails_while_the_server_restarts_and_operators_act(run: dict[str, Any]
