@@ -153,7 +153,10 @@ def test_the_answer_check_fails_on_a_changed_logprob_or_token() -> None:
     assert compare_answers(first, same, exact=True)["ok"]
     assert not compare_answers(first, close, exact=True)["ok"]
     assert compare_answers(first, close, exact=False)["ok"]
-    assert not compare_answers(first, other, exact=False)["ok"]
+    parted = compare_answers(first, other, exact=False)
+    assert not parted["ok"]
+    assert parted["diverged_at"] == 1 and parted["max_delta_up_to_divergence"] == 0.0
+    assert parted["cold"]["tokens"] == ["x", "z"] and parted["served"]["tokens"] == ["x", "y"]
 
 
 def test_the_sample_prefers_hits_spread_over_the_run() -> None:

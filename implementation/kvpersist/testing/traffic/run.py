@@ -225,13 +225,21 @@ def compare_answers(first: RequestRecord, cold: Any, *, exact: bool) -> dict[str
     deltas = [abs(a - b) for a, b in zip(first.logprobs, cold.logprobs, strict=False)]
     same_tokens = list(first.tokens) == list(cold.tokens)
     worst = max(deltas, default=0.0)
+    # where the greedy paths part, and how far the logprobs were apart up to there: a near tie
+    # flipped by batch noise parts with tiny differences before it; wrong KV moves them early
+    diverged_at = next((i for i, (a, b) in enumerate(zip(first.tokens, cold.tokens,
+                                                           strict=False)) if a != b), None)
+    before = deltas[:diverged_at + 1] if diverged_at is not None else deltas
     if exact:
         ok = same_tokens and list(first.logprobs) == list(cold.logprobs)
     else:
         ok = same_tokens and worst <= BATCHED_LOGPROB_TOLERANCE
     return {"seq": first.seq, "conversation": first.conversation, "turn": first.turn,
             "prompt_tokens": first.prompt_tokens, "cached_tokens": first.cached_tokens,
-            "ok": ok, "same_tokens": same_tokens, "max_logprob_delta": worst}
+            "ok": ok, "same_tokens": same_tokens, "max_logprob_delta": worst,
+            "diverged_at": diverged_at, "max_delta_up_to_divergence": max(before, default=0.0),
+            "served": {"tokens": list(first.tokens), "logprobs": list(first.logprobs)},
+            "cold": {"tokens": list(cold.tokens), "logprobs": list(cold.logprobs)}}
 
 
 def pick_sample(records: list[RequestRecord], count: int) -> list[RequestRecord]:
