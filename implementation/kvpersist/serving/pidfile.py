@@ -77,7 +77,13 @@ def wait_exited(pid: int, timeout_s: float, *, ticks: int | None = None,
     while True:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-        if ticks is None or process_start_ticks(pid) != ticks:
+        now = process_start_ticks(pid)
+        if now is None and ticks is not None:
+            # gone, or a zombie whose last thread just exited: reap it if it is our child (the
+            # WNOHANG above can run before the exit is reportable; this wait returns at once)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        if ticks is None or now != ticks:
             return True
         if time.monotonic() >= deadline:
             return False
