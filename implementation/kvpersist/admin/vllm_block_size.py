@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
+from ..serving.connector.platform_refusals import cpu_amx_tiles
+
 logger = logging.getLogger(__name__)
 
 #: sha256 (first 16 hex) of vLLM 0.32.0's ``CpuPlatform.check_and_update_config``.
@@ -84,11 +86,4 @@ def resolve(requested: int | None, text_config: Mapping[str, Any] | None) -> int
 def amx_mla(platform: Any | None = None) -> bool:
     """vLLM's condition for its AMX MLA kernel on this host (no block-size constraint, and
     prefills continue from cached KV); False off vLLM's CPU build."""
-    platform = platform or _cpu_platform()
-    if platform is None:
-        return False
-    import torch
-    from vllm.platforms.interface import CpuArchEnum
-
-    return bool(platform.get_cpu_architecture() == CpuArchEnum.X86
-                and torch.cpu._is_amx_tile_supported())
+    return (platform or _cpu_platform()) is not None and bool(cpu_amx_tiles())

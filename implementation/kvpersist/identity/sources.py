@@ -98,14 +98,15 @@ def read_chat_template(folder: Path) -> str | None:
     raise ValueError(f"{cfg_path}: unsupported chat_template form")
 
 
-def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+def text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text part of a model's config.json (``text_config`` of a multimodal one)."""
     inner = cfg.get("text_config")
     return inner if isinstance(inner, Mapping) else cfg
 
 
 def geometry_from_hf_config(cfg: Mapping[str, Any]) -> dict[str, object]:
     """num_kv_heads, head_size, num_layers and the default max_model_len from config.json."""
-    text = _text_config(cfg)
+    text = text_config(cfg)
     out: dict[str, object] = {}
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads", heads)

@@ -133,7 +133,8 @@ def _namespace(gate_line: str) -> str:
     return match.group(0) if match else "(no namespace)"
 
 
-#: What the gate says of an MLA model on a CPU host without AMX (serving.connector.gate).
+#: What the gate says of an MLA model on a CPU host without AMX
+#: (serving.connector.platform_refusals).
 MLA_WITHOUT_AMX = "refused: cannot continue a prefill from cached KV"
 
 

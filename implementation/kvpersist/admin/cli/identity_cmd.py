@@ -9,9 +9,10 @@ import dataclasses
 import json
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ...identity import (
     FIELDS,
@@ -39,6 +40,7 @@ from ...identity.sources import (
     from_model_folder,
     hf_snapshot_origin,
     read_model_config,
+    text_config,
 )
 from ...identity.weights_digest import FileDigestCache, default_cache_dir, folder_bytes, weights_digest
 from .. import vllm_block_size, vllm_quantization
@@ -82,15 +84,13 @@ def engine_flags(args: argparse.Namespace) -> IdentityFlags:
     return dataclasses.replace(recipe, **explicit)
 
 
-def text_config(folder: str) -> dict[str, object]:
+def folder_text_config(folder: str) -> Mapping[str, Any]:
     """The text part of the model folder's config.json (empty when it cannot be read: the
     field is then resolved by the rest of the pins writer, which reports the folder's error)."""
     try:
-        cfg = read_model_config(Path(folder) / "config.json")
+        return text_config(read_model_config(Path(folder) / "config.json"))
     except ValueError:
         return {}
-    inner = cfg.get("text_config")
-    return dict(inner) if isinstance(inner, dict) else cfg
 
 
 def model_folder(args: argparse.Namespace, flags: IdentityFlags) -> str | None:
@@ -125,7 +125,7 @@ def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
     for name in ("block_size", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len"):
         value = getattr(flags, name)
         if name == "block_size" and folder:  # the engine's platform may override the request
-            value = vllm_block_size.resolve(value, text_config(folder))
+            value = vllm_block_size.resolve(value, folder_text_config(folder))
         if value is not None:
             live[name] = value
     live.update(overrides(args.set or []))

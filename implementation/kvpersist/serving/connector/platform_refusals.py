@@ -10,6 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 
+def cpu_amx_tiles() -> bool | None:
+    """Whether vLLM's CPU platform runs on an x86 host with AMX tiles (its condition for the
+    AMX MLA kernel); None where vLLM is not importable or not its CPU build."""
+    try:
+        import torch
+        from vllm.platforms import CpuArchEnum, current_platform
+    except Exception:  # not inside vLLM: nothing to judge
+        return None
+    if not current_platform.is_cpu():
+        return None
+    return (current_platform.get_cpu_architecture() == CpuArchEnum.X86
+            and bool(torch.cpu._is_amx_tile_supported()))
+
+
 def prefill_cannot_resume(vllm_config: Any) -> str | None:
     """Why this engine cannot continue a prefill from KV it did not compute, or None.
 
@@ -22,19 +36,13 @@ def prefill_cannot_resume(vllm_config: Any) -> str | None:
     model = getattr(vllm_config, "model_config", None)
     if model is None or not getattr(model, "use_mla", False):
         return None
-    try:
-        import torch
-        from vllm.platforms import CpuArchEnum, current_platform
-    except Exception:  # not inside vLLM: nothing to judge
+    amx = cpu_amx_tiles()
+    if amx is None:
         return None
-    if not current_platform.is_cpu():
-        return None
-    amx = (current_platform.get_cpu_architecture() == CpuArchEnum.X86
-           and bool(torch.cpu._is_amx_tile_supported()))
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     forced_reference = getattr(backend, "name", None) == "CPU_MLA"
     deepseek_v4 = getattr(getattr(model, "hf_config", None), "model_type", None) == "deepseek_v4"
-    if (amx and not forced_reference) or (amx and deepseek_v4):
+    if amx and (deepseek_v4 or not forced_reference):
         return None
     return ("vLLM runs this MLA model on its CPU reference kernel (no AMX on this host), which "
             "cannot continue a prefill from cached KV (vLLM turns chunked prefill and prefix "

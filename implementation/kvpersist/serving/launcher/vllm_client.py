@@ -115,22 +115,25 @@ def served_model(base_url: str, *, timeout: float = 10.0) -> str:
 
 
 def chat_body(base_url: str, messages: list[dict[str, str]], *, max_tokens: int,
-              model: str | None) -> dict[str, Any]:
-    """A chat request at temperature 0 with logprobs (``model``: default the served one)."""
-    return {"model": model or served_model(base_url), "messages": messages,
+              model: str | None, cache_salt: str | None = None) -> dict[str, Any]:
+    """A chat request at temperature 0 with logprobs (``model``: default the served one;
+    ``cache_salt``: vLLM's per-request salt, which enters every cache key, so the request
+    shares no cached chunk with unsalted ones)."""
+    body = {"model": model or served_model(base_url), "messages": messages,
             "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True, "top_logprobs": 1,
             "seed": 0}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
 
 
 def chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: int = 16,
          timeout: float = 120.0, model: str | None = None,
          cache_salt: str | None = None) -> ChatResult:
-    """One chat completion at temperature 0 with logprobs (``model``: default the served one;
-    ``cache_salt``: vLLM's per-request salt, which enters every cache key, so the request
-    shares no cached chunk with unsalted ones)."""
-    body = chat_body(base_url, messages, max_tokens=max_tokens, model=model)
-    if cache_salt is not None:
-        body["cache_salt"] = cache_salt
+    """One chat completion at temperature 0 with logprobs (``model`` and ``cache_salt`` as
+    :func:`chat_body`)."""
+    body = chat_body(base_url, messages, max_tokens=max_tokens, model=model,
+                     cache_salt=cache_salt)
     began = time.monotonic()
     reply = http_json(base_url + "/v1/chat/completions", body, timeout=timeout)
     choice = reply["choices"][0]
@@ -302,15 +305,14 @@ def stream_chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: in
                 cache_salt: str | None = None) -> StreamedChat:
     """One streamed chat completion at temperature 0; the time to first token is measured on
     the first content chunk.  ``timeout`` bounds every socket operation; ``cache_salt`` as
-    :func:`chat`."""
+    :func:`chat_body`."""
     import http.client as http_client
     import json
     import urllib.parse
 
-    body = {**chat_body(base_url, messages, max_tokens=max_tokens, model=model),
+    body = {**chat_body(base_url, messages, max_tokens=max_tokens, model=model,
+                        cache_salt=cache_salt),
             "stream": True, "stream_options": {"include_usage": True}}
-    if cache_salt is not None:
-        body["cache_salt"] = cache_salt
     parts = urllib.parse.urlsplit(base_url)
     conn = http_client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     began = time.monotonic()

@@ -32,32 +32,28 @@ Invariants
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..pidfile import process_start_ticks
+from ..shm_sweep import SEGMENT_NAME
 from . import pins
 from .wrapping import wrap_method
 
 FEATURE = "engine_release"
-SEGMENT_PID = re.compile(r"^/?lmcache_kv_(?P<pid>[0-9]+)_[0-9]+$")
 
 logger = logging.getLogger("kvpersist.engine_release")
 
 
 def _unpinning(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    @functools.wraps(original)
     def to_tensor(self: Any) -> Any:
         from lmcache.v1.platform.devices.cpu import shm
 
         out = original(self)
-        if getattr(out, "numel", lambda: 0)() > 0:
-            shm._CPU_SHM_KEEP_ALIVE.pop(id(out.untyped_storage()), None)
+        shm._CPU_SHM_KEEP_ALIVE.pop(id(out.untyped_storage()), None)  # absent for an empty view
         return out
 
     return to_tensor
@@ -75,14 +71,15 @@ def engine_process(segment_names: Iterable[str]) -> tuple[int, int] | None:
     pid and that process is visible in this pid namespace; None otherwise."""
     pids = set()
     for name in segment_names:
-        match = SEGMENT_PID.match(str(name))
+        match = SEGMENT_NAME.match(str(name).lstrip("/"))
         if match is None:
             return None
         pids.add(int(match.group("pid")))
     if len(pids) != 1:
         return None
     (pid,) = pids
-    if _pid_namespace(pid) is None or _pid_namespace(pid) != _pid_namespace("self"):
+    namespace = _pid_namespace(pid)
+    if namespace is None or namespace != _pid_namespace("self"):
         return None
     ticks = process_start_ticks(pid)
     return None if ticks is None else (pid, ticks)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -34,11 +33,12 @@ from typing import Any
 
 from ...config.server import ServerSettings, load_settings
 from ...demo.stack import SERVED_MODEL_NAME, VllmProcess, metric_sum
+from ...identity.fields import NAMESPACE_IN_TEXT
 from ...identity.records import list_records
 from ...serving.lmcache_compat import status as server_status
 from ...serving.pidfile import read_pid_file
 from ...serving.server.lifecycle import start_server, stop_server
-from ...serving.shm_sweep import python_segments
+from ...serving.shm_sweep import SEGMENT_NAME, SHM_DIR, python_segments
 from ..helpers import adapter_status, server_env, wait_for_l2_idle
 from .resources import shm_usage, tree_usage
 from .shape import TrafficShape
@@ -54,8 +54,6 @@ GIB = 1 << 30
 #: How long a stopped engine's KV mapping may stay in the server: its unregister, or else the
 #: next pass of LMCache's reaper (every 30 s) finding its process gone.
 RELEASE_WAIT_S = 45.0
-NAMESPACE = re.compile(r"kvp-[0-9a-f]{32}")
-KV_SEGMENT = re.compile(r"/dev/shm/lmcache_kv_([0-9]+)_[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -381,7 +379,7 @@ def bypass_evidence(stack: TrafficStack, engine: VllmProcess, stores_before: int
     identity but neither looked up nor stored: the server's stores since ``stores_before``, the
     engine's external hits, its log lines and the namespaces recorded in the tree."""
     log = engine.log_path.read_text(errors="replace")
-    logged = NAMESPACE.search(log[log.find("KVP_CACHE_BYPASS is on"):]) if \
+    logged = NAMESPACE_IN_TEXT.search(log[log.find("KVP_CACHE_BYPASS is on"):]) if \
         "KVP_CACHE_BYPASS is on" in log else None
     return {"stores": int(adapter_status(stack.settings)["stores"]) - stores_before,
             "external_hits": metric_sum(engine.metrics(), "vllm:external_prefix_cache_hits_total"),
@@ -409,9 +407,11 @@ def kv_segment_owners(pid: int | None) -> set[int]:
         return owners
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-            match = KV_SEGMENT.search(line)
+            fields = line.split(maxsplit=5)  # address perms offset device inode [path]
+            path = fields[5].removesuffix(" (deleted)") if len(fields) == 6 else ""
+            match = SEGMENT_NAME.match(path.removeprefix(f"{SHM_DIR}/"))
             if match:
-                owners.add(int(match.group(1)))
+                owners.add(int(match.group("pid")))
     return owners
 
 
