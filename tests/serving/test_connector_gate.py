@@ -304,33 +304,113 @@ def test_a_closing_vllm_environment_variable_closes_the_gate_by_name(tiny_model:
                       CacheOn)
 
 
-def test_a_registration_the_server_refuses_or_answers_late_closes_the_gate_not_vllm(
-        tiny_model: Path) -> None:
-    """Our logic with a stand-in for LMCache's connector (the server's refusal, or LMCache's
-    ``mq_timeout`` expiring, reaches kvpersist as an exception from its registration)."""
+class StandInWorkerSide:
+    """What the connector asks of kvpersist's worker side when a registration goes unanswered."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def register_again_when_answered(self) -> None:
+        self.asked += 1
+
+
+class RegisteringInner:
+    """A stand-in for LMCache's connector whose registration raises ``error``."""
+
+    def __init__(self, error: Exception, worker: StandInWorkerSide | None) -> None:
+        self.error, self.kvp_worker, self.shut = error, worker, False
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        raise self.error
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def worker_connector(tiny_model: Path, inner: RegisteringInner) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvpersist.serving.connector.kv_connector import DisabledKvConnector, KvPersistConnector
+    from kvpersist.serving.connector.kv_connector import KvPersistConnector
 
-    class RefusingInner:
-        shut = False
-
-        def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-            raise ConnectionError("no reply to register_kv_caches within 15.0s")
-
-        def shutdown(self) -> None:
-            RefusingInner.shut = True
-
-    cfg = engine_config(tiny_model, TINY_PINS)
     connector = object.__new__(KvPersistConnector)
-    connector._kvp_args = (cfg, KVConnectorRole.WORKER, None)
-    connector.inner = RefusingInner()  # type: ignore[assignment]
+    connector._kvp_args = (engine_config(tiny_model, TINY_PINS), KVConnectorRole.WORKER, None)
+    connector._registration_pending = None
+    connector.inner = inner  # type: ignore[assignment]
     assert connector.caching
+    return connector
+
+
+@pytest.mark.parametrize("error, worker", [
+    (ValueError("LMCache chunk size 256 must be a multiple of engine group 0 tokens_per_block "
+                "96"), StandInWorkerSide()),
+    (ConnectionError("no reply to register_kv_caches within 15.0s"), None),
+])
+def test_a_registration_the_server_refuses_closes_the_gate_not_vllm(
+        tiny_model: Path, error: Exception, worker: StandInWorkerSide | None) -> None:
+    """Our logic with a stand-in for LMCache's connector (the server's refusal reaches kvpersist
+    as an exception from its registration; an unanswered one with no worker side to register
+    again is a refusal too)."""
+    from kvpersist.serving.connector.kv_connector import DisabledKvConnector
+
+    inner = RegisteringInner(error, worker)
+    connector = worker_connector(tiny_model, inner)
     connector.register_kv_caches({})  # no exception reaches vLLM
-    assert isinstance(connector.inner, DisabledKvConnector) and RefusingInner.shut
+    assert isinstance(connector.inner, DisabledKvConnector) and inner.shut
+    assert worker is None or worker.asked == 0
     state = connector.get_handshake_metadata()
-    assert state is not None and not state.caching
-    assert "did not register" in str(state.reason) and "15.0s" in str(state.reason)
+    assert state is not None and not state.caching and not state.pending
+    assert "did not register" in str(state.reason) and str(error)[:20] in str(state.reason)
+
+
+def test_a_registration_left_unanswered_keeps_the_worker_pending_not_closed(
+        tiny_model: Path) -> None:
+    """No answer within ``mq_timeout``: the worker registers again once the server answers
+    (asked of its worker side), its gate stays open, and the handshake says pending."""
+    worker = StandInWorkerSide()
+    inner = RegisteringInner(ConnectionError("no reply to register_kv_caches within 15.0s"),
+                             worker)
+    connector = worker_connector(tiny_model, inner)
+    connector.register_kv_caches({})
+    assert connector.inner is inner and not inner.shut and worker.asked == 1
+    state = connector.get_handshake_metadata()
+    assert state is not None and state.caching and state.pending
+    assert "did not answer" in str(state.reason) and "15.0s" in str(state.reason)
+
+
+class StandInSchedulerSide:
+    def __init__(self, can_watch: bool) -> None:
+        self.can_watch, self.asked = can_watch, 0
+
+    def attach_when_registered(self) -> bool:
+        self.asked += 1
+        return self.can_watch
+
+
+@pytest.mark.parametrize("states, can_watch, stays_open, asked", [
+    ({(0, 0): (True, False), (0, 1): (True, False)}, True, True, 0),   # both registered
+    ({(0, 0): (True, False), (0, 1): (True, True)}, True, True, 1),    # one pending: waits
+    ({(0, 0): (True, True), (0, 1): (False, False)}, True, False, 0),  # one closed: closes
+    ({(0, 0): (True, True)}, False, False, 1),                         # no /status to watch
+])
+def test_the_scheduler_waits_for_pending_workers_and_closes_for_a_closed_one(
+        tiny_model: Path, states: dict[tuple[int, int], tuple[bool, bool]], can_watch: bool,
+        stays_open: bool, asked: int) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpersist.serving.connector.kv_connector import KvPersistConnector, WorkerGateState
+
+    scheduler = StandInSchedulerSide(can_watch)
+    inner = RegisteringInner(RuntimeError("unused"), None)
+    inner.kvp_scheduler = scheduler  # type: ignore[attr-defined]
+    connector = object.__new__(KvPersistConnector)
+    connector._kvp_args = (engine_config(tiny_model, TINY_PINS), KVConnectorRole.SCHEDULER, None)
+    connector.inner = inner  # type: ignore[assignment]
+    connector.set_xfer_handshake_metadata_pp_aware(
+        {rank: WorkerGateState(caching, "why" if pending or not caching else None,
+                               pending=pending)
+         for rank, (caching, pending) in states.items()})
+    assert connector.caching == stays_open and scheduler.asked == asked
+    assert inner.shut == (not stays_open)
 
 
 def test_an_mla_model_s_pins_agree_with_the_engine_and_the_gate_opens(

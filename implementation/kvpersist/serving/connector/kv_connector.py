@@ -27,11 +27,15 @@ Invariants
 * Otherwise, and also when a ``kvpersist.*`` setting is malformed, the connector holds a
   :class:`DisabledKvConnector`: it never contacts the LMCache server, reports no external hits,
   stores nothing, and logs the reason.  vLLM keeps serving.
-* **A registration the server refuses or answers late is caching off, never an outage**: the
-  worker's gate closes (:meth:`KvPersistConnector.register_kv_caches`) and vLLM starts.  (A
-  late answer cannot simply be waited for: LMCache's worker marks its transfer context
-  registered only when the reply arrives in time, and a store sent to it afterwards raises in
-  vLLM's forward step; measured with the server stopped through a registration.)
+* **A registration the server refuses or answers late is caching off, never an outage**, and
+  vLLM starts (:meth:`KvPersistConnector.register_kv_caches`).  A refusal closes the worker's
+  gate.  A registration left unanswered within ``mq_timeout`` leaves the worker attached but
+  unhealthy: it registers again once the server answers a ping, and transfers nothing until
+  that second registration is answered in time (LMCache marks its transfer context registered
+  only then; a store sent to an unregistered context raises in vLLM's forward step, measured
+  with the server stopped through a registration).  The worker reports itself *pending* in the
+  handshake, and the scheduler then makes no lookup and stores nothing until the server's
+  ``/status`` lists every worker registered (as for an engine started before the server).
 * **Every layer computes on the memory the server maps.**  After LMCache's registration moved
   the KV caches into shared memory, layer views it did not re-point (MLA's) are re-pointed
   (:mod:`kvpersist.serving.lmcache_compat.kv_views`); a view left behind closes the gate.
@@ -118,10 +122,12 @@ def with_model_name(vllm_config: Any, model_name: str) -> Any:
 
 @dataclass(frozen=True)
 class WorkerGateState(KVConnectorHandshakeMetadata):  # type: ignore[misc]
-    """What a worker tells its scheduler through vLLM's handshake: did its gate open?"""
+    """What a worker tells its scheduler through vLLM's handshake: did its gate open, and is its
+    registration still to be answered (``pending``; the reason says why)?"""
 
     caching: bool
     reason: str | None = None
+    pending: bool = False
 
 
 class _NoMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -264,6 +270,8 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                  ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._kvp_args = (vllm_config, role, kv_cache_config)  # for closing after the handshake
+        #: Why this worker's registration is still to be answered (None: it was, or no worker)
+        self._registration_pending: str | None = None
         lmcache_pins.check_versions()
         decision = decide(vllm_config)
         if isinstance(decision, (CacheOn, AttachLate)):
@@ -337,9 +345,11 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # -- registration: a refusal or a late answer costs the cache, never the engine
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """LMCache's registration of this worker's KV caches with the server.  Whatever fails
-        there (the server refuses a layout or a window, or answers after ``mq_timeout``)
-        closes this worker's gate instead of failing vLLM's start; the handshake then closes
-        the scheduler's too (see module invariants)."""
+        there never fails vLLM's start: no answer within ``mq_timeout`` leaves the worker
+        pending (it registers again once the server answers; the scheduler attaches when the
+        server lists it), anything else (the server refuses a layout or a window) closes this
+        worker's gate, and the handshake then closes the scheduler's too (see module
+        invariants)."""
         before = kv_views.storage_pointers(kv_caches) if self.caching else {}
         try:
             self.inner.register_kv_caches(kv_caches)
@@ -349,9 +359,16 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._repoint_layer_views(before, kv_caches)
             if not self.caching:
                 return
+            why = f"{type(exc).__name__}: {exc}"
+            worker = getattr(self.inner, "kvp_worker", None)
+            if (isinstance(exc, ConnectionError) and worker is not None
+                    and lmcache_pins.available("late_attach")):
+                worker.register_again_when_answered()
+                self._registration_pending = (f"the LMCache server did not answer this worker's "
+                                              f"registration in time ({why})")
+                return
             self._shut_and_close(f"the LMCache server did not register this worker's KV caches "
-                                 f"({type(exc).__name__}: {exc}); vLLM serves uncached until it "
-                                 "restarts")
+                                 f"({why}); vLLM serves uncached until it restarts")
         else:
             self._repoint_layer_views(before, kv_caches)
 
@@ -379,7 +396,9 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     # -- worker → scheduler handshake (see module invariants)
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return WorkerGateState(self.caching, self.disabled_reason)
+        pending = self._registration_pending if self.caching else None
+        return WorkerGateState(self.caching, pending or self.disabled_reason,
+                               pending=pending is not None)
 
     def set_xfer_handshake_metadata_pp_aware(
             self, metadata: Mapping[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
@@ -387,11 +406,24 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return
         closed = {rank: state for rank, state in metadata.items()
                   if not (isinstance(state, WorkerGateState) and state.caching)}
-        if not closed:
+        if closed:
+            rank, state = next(iter(closed.items()))
+            why = state.reason if isinstance(state, WorkerGateState) else "no gate state reported"
+            self._shut_and_close(f"worker (pp, tp) {rank} serves without the cache ({why})")
             return
-        rank, state = next(iter(closed.items()))
-        why = state.reason if isinstance(state, WorkerGateState) else "no gate state reported"
-        self._shut_and_close(f"worker (pp, tp) {rank} serves without the cache ({why})")
+        pending = {rank: state for rank, state in metadata.items()
+                   if isinstance(state, WorkerGateState) and state.pending}
+        if not pending:
+            return
+        rank, state = next(iter(pending.items()))
+        scheduler = getattr(self.inner, "kvp_scheduler", None)
+        if scheduler is None or not scheduler.attach_when_registered():
+            self._shut_and_close(f"worker (pp, tp) {rank} is not registered ({state.reason}) and "
+                                 "there is no server /status to learn when it is")
+            return
+        logger.warning("kvpersist: %d worker(s) not registered yet, e.g. (pp, tp) %s (%s): "
+                       "serving uncached, attaching once the LMCache server lists them all",
+                       len(pending), rank, state.reason)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
                                     ) -> None:

@@ -13,7 +13,8 @@ Invariants
   default (a guessed heartbeat or timeout would make every long restore look stalled, or a
   dead server look alive).  The connector turns it into a closed gate.
 * :class:`AdapterView` shadows attributes only for the one call it is passed to; the adapter
-  itself is changed only by :func:`forget_transfers` and the late-attach deferral.
+  itself is changed only by :func:`forget_transfers`, the late-attach deferral and
+  :func:`register_again_when_answered`.
 """
 
 from __future__ import annotations
@@ -155,6 +156,21 @@ def defer_worker_registration(adapter: Any) -> None:
                        "answers (worker %s)", getattr(adapter, "instance_id", "?"))
 
     adapter._send_register_kv_caches_request = deferred
+
+
+def register_again_when_answered(adapter: Any) -> None:
+    """A worker whose registration went unanswered within ``mq_timeout`` turns unhealthy with its
+    heartbeat running: LMCache's recovery callback sends the registration again on the first
+    answered ping, and the worker turns healthy only once that one is answered in time (which
+    is what marks LMCache's transfer context registered).  The server keeps one registration
+    per worker instance (a second one of the same instance only refreshes it), so the late one
+    it may still handle and the new one name the same shared-memory segment.  While unhealthy,
+    LMCache drops the worker's stores and fails its loads (vLLM recomputes them)."""
+    require(adapter, "_health_event").clear()
+    adapter._ensure_heartbeat_started()
+    logger.warning("kvpersist: the LMCache server did not answer this worker's registration in "
+                   "time: registering again once it answers (worker %s)",
+                   getattr(adapter, "instance_id", "?"))
 
 
 # -- the connector's request trackers (feature lookup_control)

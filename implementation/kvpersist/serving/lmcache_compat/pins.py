@@ -164,10 +164,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
         )),
     Feature(
         "late_attach",
-        purpose="an engine started before the server serves uncached and attaches when the "
-                "server answers (serving.late_attach)",
-        if_off="an engine whose server does not answer at start serves uncached until it is "
-               "restarted",
+        purpose="an engine started before the server, or whose registration the server did "
+                "not answer in time, serves uncached and attaches when the server answers "
+                "(serving.late_attach)",
+        if_off="an engine whose server does not answer at start, or does not answer its "
+               "registration in time, serves uncached until it is restarted",
         sources=(
             (_MP_ADAPTER, "get_lmcache_chunk_size", "b18de6283558748f"),
             (_MP_ADAPTER, "LMCacheMPSchedulerAdapter._ensure_heartbeat_started",
@@ -176,6 +177,18 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
              "e42cc30181912284"),
             (_MP_ADAPTER, "LMCacheMPWorkerAdapter._send_register_kv_caches_request",
              "69d5c9d2d20e7490"),
+            # registering again: the recovery callback runs before the worker turns healthy,
+            # and an unhealthy worker drops its stores and fails its loads
+            (_MP_ADAPTER, "HeartbeatThread._execute", "7587c3115aca319c"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter._reregister_kv_caches_callback",
+             "f6bd6d9bb7e20192"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter.submit_store_request", "cfff5d3d073d6c77"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter.submit_retrieve_request", "37480a7d495c4d3c"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter.create_recorded_event", "75876b61f4546c63"),
+            # the server keeps one registration per instance: a second one only refreshes it
+            (_LMCACHE_DRIVEN, "LMCacheDrivenTransferModule.register_kv_cache", "c8c05d9edf7277c9"),
+            (_ENGINE_DRIVEN, "EngineDrivenTransferModule.register_kv_cache_engine_driven_context",
+             "b1dc37f4e3267f5a"),
         )),
     Feature(
         "pickle_waits",

@@ -12,7 +12,8 @@ Invariants
   the heartbeat says the server is down, after ``kvpersist.lookup_timeout_s`` without progress,
   or after ``kvpersist.lookup_max_s`` in all (:mod:`kvpersist.serving.connector.scheduler.lookup_deadline`).
 * Until a late-attaching engine has attached, no lookup is made (no hit is promised) and no
-  store is sent.
+  store is sent.  An engine whose workers' registrations went unanswered at start is such an
+  engine from the handshake on (:meth:`SchedulerSide.attach_when_registered`).
 * While the heartbeat says the server is down, stores are dropped from the step's metadata
   (unless LMCache's lazy offload expects one receipt per store) and counted in ``/metrics``.
 * An abandoned lookup's L1 locks are released on a live server (a courtesy: the read-lock TTL
@@ -98,17 +99,30 @@ class SchedulerSide:
         #: The adapter id of each tracked request that has one.
         self._adapter_of: dict[str, int] = {}
         self.keys.on_adapter_void = self.adapter_void
+        self._status_url: str | None = None
+        self._namespace, self._workers = identity.namespace, workers
         if options.http_url:
-            status_url = options.http_url.rstrip("/") + server_status.PATH
-            self._probe = ServerProgressProbe(status_url, self.deadline)
+            self._status_url = options.http_url.rstrip("/") + server_status.PATH
+            self._probe = ServerProgressProbe(self._status_url, self.deadline)
             if attach_late:
-                self._watch = RegistrationWatch(status_url, identity.namespace, workers=workers)
+                self.attach_when_registered()
         if attach_late:
             lmcache_adapters.start_scheduler_unhealthy(self._adapter)
 
     @property
     def attached(self) -> bool:
         return self._watch is None or self._watch.attached
+
+    def attach_when_registered(self) -> bool:
+        """From now until the server's ``/status`` lists this engine's namespace registered by
+        all its workers, no lookup is made and nothing is stored (see module invariants).
+        False when there is no ``/status`` to watch (the caller closes the gate instead)."""
+        if self._status_url is None:
+            return False
+        if self._watch is None:
+            self._watch = RegistrationWatch(self._status_url, self._namespace,
+                                            workers=self._workers)
+        return True
 
     def lookup(self, request: Any, lmcache_lookup: Callable[[], LookupResult]) -> LookupResult:
         """LMCache's lookup (``lmcache_lookup``) under the deadline; ``(0, False)`` when the

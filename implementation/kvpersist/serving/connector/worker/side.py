@@ -15,7 +15,9 @@ Invariants
   (:mod:`kvpersist.serving.connector.worker.served_prefix`).
 * Before the forward pass of a step that preempted requests, no store the server may still
   read out of vLLM's KV memory is in flight (:mod:`kvpersist.serving.connector.worker.store_fence`).
-* A late-attaching worker keeps its KV caches for registration until the server answers.
+* A late-attaching worker keeps its KV caches for registration until the server answers; a
+  worker whose registration went unanswered registers again once the server answers, and
+  transfers nothing until then (:meth:`WorkerSide.register_again_when_answered`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class WorkerSide:
             gone=(lambda: http.refuses_connections(url)) if url else never_gone,
             base_s=lmcache_adapters.mq_timeout_s(adapter), max_s=options.lookup_max_s,
             dead_after_s=dead_after_s(heartbeat)))
+        self._adapter = adapter
         self.fence = LoadFence(adapter, server_url=url, record=stats.record_failed_load,
                                keeper=ServedPrefixKeeper(adapter, url))
         self.fence.install()
@@ -53,3 +56,10 @@ class WorkerSide:
         self.store_fence.install()
         if attach_late:
             lmcache_adapters.defer_worker_registration(adapter)
+
+    def register_again_when_answered(self) -> None:
+        """The server did not answer this worker's registration within ``mq_timeout`` (a server
+        busy for longer, or stopped): the worker stays attached but unhealthy, registers again
+        once the server answers, and until then its stores are dropped and its loads fail
+        (:func:`~kvpersist.serving.lmcache_compat.adapters.register_again_when_answered`)."""
+        lmcache_adapters.register_again_when_answered(self._adapter)
