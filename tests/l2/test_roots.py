@@ -8,7 +8,7 @@ import os
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -189,6 +189,91 @@ def test_a_lost_root_costs_only_its_keys_and_rejoins_after_a_scan(tmp_path: Path
         assert rs.status()["roots"][1]["degrades"] == 1
         assert rs.check() == []
     finally:
+        rs.close()
+
+
+class HangingStore(KvFileStore):
+    """A store whose reads of the keys in ``hang`` wait until ``release`` is set: a read stuck
+    in the kernel on a device that stopped answering (a D-state ``pread`` no signal ends)."""
+
+    hang: ClassVar[set[KeyFields]] = set()
+    release = threading.Event()
+    stuck = threading.Event()
+
+    def read_into(self, key: KeyFields, buf: Any) -> bool:
+        if key in self.hang:
+            self.stuck.set()
+            self.release.wait(60)
+        return super().read_into(key, buf)
+
+
+def test_a_hung_device_s_stuck_reads_block_nothing_and_its_keys_leave_when_they_return(
+        tmp_path: Path) -> None:
+    """Root 1 is lost while a read on it is stuck: it is degraded at once, the watch goes on
+    (root 2, lost next, is noticed too), its counters stay reported and its keys stay in the
+    accounting while the read is out; when the read returns, the store is abandoned and the
+    accounting drops exactly its keys; back, it rejoins only then."""
+    roots = [tmp_path / f"dev{i}" for i in range(3)]
+    names = [str(r) for r in roots]
+    ledger = Ledger()
+
+    def factory(path: Path, cap: int, on_added: Any, on_removed: Any) -> KvFileStore:
+        return HangingStore(path, cap, on_added=on_added, on_removed=on_removed)
+
+    HangingStore.hang, HangingStore.release, HangingStore.stuck = (
+        set(), threading.Event(), threading.Event())
+    rs = RootSet(roots, shares(1 << 30, 3), factory, on_added=ledger.added,
+                 on_removed=ledger.removed, probe_interval_s=0.1)
+    rs.open(background_scan=False)
+    reader: threading.Thread | None = None
+    try:
+        keys = [key_of(i) for i in range(60)]
+        for i, key in enumerate(keys):
+            assert rs.put(key, payload(i)) == "stored"
+        by_root = {r: [k for k in keys if place(k, names) == r] for r in range(3)}
+        assert all(by_root.values())
+        HangingStore.hang = {by_root[1][0]}
+        got: list[bool] = []
+        stuck_buf = bytearray(PAYLOAD)
+        reader = threading.Thread(target=lambda: got.append(
+            rs.read_into(by_root[1][0], stuck_buf)), daemon=True)
+        reader.start()
+        assert HangingStore.stuck.wait(10)
+        away = [tmp_path / "dev1-away", tmp_path / "dev2-away"]
+        for a in away:
+            a.mkdir()
+        exchange_paths(roots[1], away[0])
+        wait_until(lambda: [p for p, _ in rs.degraded] == [roots[1]], timeout=10,
+                   message="the hung root was never degraded")
+        entry = rs.status()["roots"][1]
+        assert entry["state"] == DEGRADED and entry["in_flight"] == 1
+        assert entry["stores"] == len(by_root[1])  # its counters are still reported
+        assert set(by_root[1]) <= set(ledger.as_dict())  # not abandoned under the stuck read
+        buf = bytearray(PAYLOAD)
+        assert all(rs.read_into(k, buf) for k in by_root[0] + by_root[2])  # the others serve
+        exchange_paths(roots[2], away[1])  # a second device lost while the first hangs
+        wait_until(lambda: len(rs.degraded) == 2, timeout=10,
+                   message="the watch stopped while a degraded root's read was stuck")
+        assert set(ledger.as_dict()) == set(by_root[0]) | set(by_root[1])
+        exchange_paths(roots[1], away[0])  # back, but its stuck read is not: no new store yet
+        exchange_paths(roots[2], away[1])
+        wait_until(lambda: [p for p, _ in rs.degraded] == [roots[1]], timeout=10,
+                   message="root 2 never rejoined")
+        assert rs.status()["roots"][1]["in_flight"] == 1
+        HangingStore.release.set()
+        reader.join(timeout=10)
+        # the stuck read ends as its device answers: a verified read, or a miss
+        assert len(got) == 1 and (not got[0] or bytes(stuck_buf) == payload(keys.index(
+            by_root[1][0])))
+        wait_until(lambda: not rs.degraded and rs.scan_done, timeout=10,
+                   message="root 1 never rejoined after its read returned")
+        assert set(ledger.as_dict()) == set(keys) and ledger.as_dict() == rs.indexed_sizes()
+        assert rs.status()["roots"][1]["stores"] == len(by_root[1])  # counters never go back
+        assert rs.check() == []
+    finally:
+        HangingStore.release.set()
+        if reader is not None:
+            reader.join(timeout=10)
         rs.close()
 
 

@@ -16,8 +16,14 @@ Invariants
   ``probe_timeout_s``) is *degraded*: no new operation is sent to it, and once those in flight
   have finished its store is abandoned, which drains its index, so the accounting drops exactly
   its bytes; the other roots serve on.  A degraded root is probed again every
-  ``probe_interval_s``; when it answers as the same device (its marker), a new store opens it
-  and its start-up scan announces its files again: it rejoins.
+  ``probe_interval_s``; when it answers as the same device (its marker), and its old store has
+  been abandoned, a new store opens it and its start-up scan announces its files again: it
+  rejoins.
+* **Nothing waits for a device that does not answer**: degrading never blocks.  Operations
+  stuck in the kernel on a hung device (D-state reads that no signal ends) keep its store
+  until the last of them returns, which abandons it; until then the root is degraded with
+  ``in_flight`` operations in its status, its counters are still reported, and the watch
+  goes on probing every root.
 * **Counters never go back**: an abandoned store's counters are kept, so per-root and total
   counters stay monotonic across a degrade and a rejoin.
 * With a single root nothing is probed and nothing is given up: a failing device is then the
@@ -50,6 +56,7 @@ HEALTHY = "healthy"
 DEGRADED = "degraded"
 #: Status fields that are not summed over the roots.
 _NOT_SUMMED = frozenset({"root", "sharded", "usage_fraction", "scan_done", "scan_seconds",
+                         "in_flight",
                          "scan_source", "scan_error", "direct_io", "shared_tree",
                          "verify_failures_by_reason", "since", "degrades"})
 #: Summed, but sizes of what a root holds now: not carried past an abandoned store.
@@ -71,6 +78,8 @@ class _Root:
     carried: Counter[str] = field(default_factory=Counter)
     carried_reasons: Counter[str] = field(default_factory=Counter)
     probing: bool = False
+    #: its store is being abandoned (by the degrade, or by the last operation to return)
+    abandoning: bool = False
 
     @property
     def name(self) -> str:
@@ -206,6 +215,8 @@ class RootSet:
             why = self._probe_in_time(root, root.identity)
             if why is not None:
                 self.degrade(root.path, why)
+        elif root.store is not None:
+            return  # operations of its last life are still in flight: no new store before
         elif root.identity is None or self._probe_in_time(root, root.identity) is None:
             self._try_attach(root)
 
@@ -237,29 +248,43 @@ class RootSet:
             self._wake.set()
 
     def degrade(self, path: Path, reason: str) -> None:
-        """Give root ``path`` up (see module invariants); no-op if it is degraded already."""
+        """Give root ``path`` up (see module invariants); no-op if it is degraded already.
+        Never waits: a store with operations in flight is abandoned by the last to return."""
         root = self._roots[self._names.index(str(Path(path)))]
         with self._lock:
             if root.state != HEALTHY:
                 return
             root.state, root.reason, root.since = DEGRADED, reason, time.time()
             root.degrades += 1
-            while root.in_flight:
-                self._lock.wait()
-            store = root.store
+            waiting = root.in_flight
         logger.error("kvpersist L2: root %s is degraded: %s; its keys miss, the other roots "
                      "serve, and it is probed again every %.1fs", path, reason,
                      self.probe_interval_s)
-        if store is None:
-            return
-        status = store.status()
-        dropped = store.abandon()
+        if waiting:
+            logger.error("kvpersist L2: root %s: %d operation(s) still in flight on it; its keys "
+                         "leave the accounting when the last returns", path, waiting)
+        self._abandon_if_drained(root)
+
+    def _abandon_if_drained(self, root: _Root) -> None:
+        """Abandon a degraded root's store once no operation is in flight on it (once: the
+        degrade and the last returning operation may both ask)."""
         with self._lock:
-            root.store = None
+            if (root.state == HEALTHY or root.in_flight or root.store is None
+                    or root.abandoning):
+                return
+            root.abandoning, store = True, root.store
+        try:
+            status = store.status()
+            dropped = store.abandon()
+        finally:
+            with self._lock:
+                root.store, root.abandoning = None, False
+        with self._lock:
             root.carried.update({k: v for k, v in status.items()
                                  if _is_counter(k, v) and k not in _GAUGES})
             root.carried_reasons.update(status.get("verify_failures_by_reason") or {})
-        logger.error("kvpersist L2: root %s: %d keys dropped from the accounting", path, dropped)
+        logger.error("kvpersist L2: root %s: %d keys dropped from the accounting", root.path,
+                     dropped)
 
     # ------------------------------------------------------------------ routing
 
@@ -277,8 +302,9 @@ class RootSet:
             if store is not None:
                 with self._lock:
                     root.in_flight -= 1
-                    if root.in_flight == 0:
-                        self._lock.notify_all()
+                    drained = root.in_flight == 0 and root.state != HEALTHY
+                if drained:  # the last operation of a degraded root abandons its store
+                    self._abandon_if_drained(root)
 
     def _holder(self, key: KeyFields) -> int:
         """The root holding ``key``: the placed one unless another healthy root indexes it."""
@@ -443,14 +469,20 @@ class RootSet:
         for root in self._roots:
             with self._lock:
                 store = root.store if root.state == HEALTHY else None
+                draining = root.store if root.state != HEALTHY else None
                 entry: dict[str, Any] = {
                     "root": root.name, "state": root.state, "reason": root.reason,
                     "since": round(root.since, 3), "degrades": root.degrades,
-                    "capacity_bytes": root.capacity}
+                    "capacity_bytes": root.capacity, "in_flight": root.in_flight}
                 carried, reasons = Counter(root.carried), Counter(root.carried_reasons)
             status: dict[str, Any] = store.status() if store is not None else {
                 "files": 0, "used_bytes": 0, "reserved_bytes": 0, "quarantine_files": 0,
                 "quarantine_bytes": 0}
+            if draining is not None:  # degraded, not abandoned yet: its counters still count
+                old = draining.status()
+                status.update({k: v for k, v in old.items()
+                               if _is_counter(k, v) and k not in _GAUGES})
+                status["verify_failures_by_reason"] = old.get("verify_failures_by_reason")
             for key, value in carried.items():
                 status[key] = status.get(key, 0) + value
             status["verify_failures_by_reason"] = dict(
@@ -467,7 +499,7 @@ class RootSet:
         if not self.several:
             only = roots[0]
             return {k: v for k, v in only.items()
-                    if k not in ("state", "reason", "since", "degrades")}
+                    if k not in ("state", "reason", "since", "degrades", "in_flight")}
         total: dict[str, Any] = {"root": str(self.root), "roots": roots}
         for entry in roots:
             for key, value in entry.items():
