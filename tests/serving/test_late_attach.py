@@ -65,3 +65,4 @@ def test_watch_keeps_polling_through_errors() -> None:
         assert watch.wait(10) and calls["n"] >= 3
     finally:
         watch.close()
+        watch._thread.join(timeout=5)  # its last log line lands inside the test's capture

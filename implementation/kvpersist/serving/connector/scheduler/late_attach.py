@@ -69,9 +69,9 @@ class RegistrationWatch:
     def poll_once(self) -> bool:
         status = self._fetch(self.status_url, self.timeout_s)
         if status is not None and registrations(status, self.namespace) >= self.workers:
-            self._attached.set()
             logger.warning("kvpersist: late attach: the LMCache server lists namespace %s "
                            "for all %d worker(s); caching ON", self.namespace, self.workers)
+            self._attached.set()
             if self._on_attach is not None:
                 self._on_attach()
         return self.attached

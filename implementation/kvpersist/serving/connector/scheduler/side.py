@@ -100,7 +100,7 @@ class SchedulerSide:
         self._adapter_of: dict[str, int] = {}
         self.keys.on_adapter_void = self.adapter_void
         self._status_url: str | None = None
-        self._namespace, self._workers = identity.namespace, workers
+        self._identity, self._workers = identity, workers
         if options.http_url:
             self._status_url = options.http_url.rstrip("/") + server_status.PATH
             self._probe = ServerProgressProbe(self._status_url, self.deadline)
@@ -120,7 +120,7 @@ class SchedulerSide:
         if self._status_url is None:
             return False
         if self._watch is None:
-            self._watch = RegistrationWatch(self._status_url, self._namespace,
+            self._watch = RegistrationWatch(self._status_url, self._identity.namespace,
                                             workers=self._workers)
         return True
 
