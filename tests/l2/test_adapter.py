@@ -270,3 +270,65 @@ def test_an_eviction_returns_once_lmcache_heard_of_it(tmp_path: Path,
     finally:
         release.set()
         a.close()
+
+
+def test_a_hung_root_holds_only_its_own_file_threads(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads stuck on one root (a device that stopped answering) take that root's file
+    threads and their task; loads and stores on the other root, and further tasks, go on.
+    One shared pool, or a task thread waiting for its files, would stall them all."""
+    from kvpersist.l2.placement import place
+
+    roots = [tmp_path / "dev0", tmp_path / "dev1"]
+    for r in roots:
+        r.mkdir()
+    a = KvPersistL2Adapter(KvPersistL2AdapterConfig(
+        str(roots[0]), 1.0, io_threads=2, file_threads=2, extra_paths=(str(roots[1]),)))
+    release, stuck = threading.Event(), threading.Semaphore(0)
+    try:
+        assert a.store.wait_scan(10)
+        keys = [key_of(300 + i) for i in range(24)]
+        for i, k in enumerate(keys):
+            assert a.store.put(k, payload(i)) == "stored"
+        names = [str(r) for r in roots]
+        on = {r: [i for i, k in enumerate(keys) if place(k, names) == r] for r in (0, 1)}
+        assert len(on[0]) >= 3 and len(on[1]) >= 4
+        hung = {keys[i] for i in on[1]}
+        real_read = KvFileStore.read_into
+
+        def read_into(self: KvFileStore, key: Any, buf: Any) -> bool:
+            if key in hung and not release.is_set():
+                stuck.release()
+                release.wait(60)
+            return real_read(self, key, buf)
+
+        monkeypatch.setattr(KvFileStore, "read_into", read_into)
+        hung_chunks = [Chunk(bytearray(CHUNK)) for _ in on[1]]
+        hung_tid = a.submit_load_task([to_object_key(keys[i]) for i in on[1]], hung_chunks)
+        for _ in range(2):  # both of root 1's file threads are stuck
+            assert stuck.acquire(timeout=10)
+        more_tid = a.submit_load_task([to_object_key(keys[on[1][0]])], [Chunk(bytearray(CHUNK))])
+        for _ in range(2):  # task threads, as many as there are, each start a task
+            chunks = [Chunk(bytearray(CHUNK)) for _ in on[0]]
+            tid = a.submit_load_task([to_object_key(keys[i]) for i in on[0]], chunks)
+            bitmap = wait_for(a.get_load_event_fd(), a.query_load_result, tid, timeout=10)
+            assert [j for j in range(len(on[0])) if bitmap.test(j)] == list(range(len(on[0])))
+            assert all(bytes(c.byte_array) == payload(i) for c, i in zip(chunks, on[0],
+                                                                          strict=True))
+        fresh = [k for k in (key_of(400 + i) for i in range(40)) if place(k, names) == 0][:3]
+        tid = a.submit_store_task([to_object_key(k) for k in fresh],
+                                  [Chunk(bytearray(payload(i))) for i in range(len(fresh))])
+        assert wait_for(a.get_store_event_fd(), lambda t: a.pop_completed_store_tasks().get(t),
+                        tid, timeout=10) == len(fresh) * CHUNK
+        assert a.query_load_result(hung_tid) is None  # its files are still out
+        release.set()
+        bitmap = wait_for(a.get_load_event_fd(), a.query_load_result, hung_tid)
+        assert all(bitmap.test(j) for j in range(len(on[1])))
+        assert all(bytes(c.byte_array) == payload(i) for c, i in zip(hung_chunks, on[1],
+                                                                      strict=True))
+        assert wait_for(a.get_load_event_fd(), a.query_load_result, more_tid).test(0)
+        monkeypatch.undo()
+        assert a.store.check() == []
+    finally:
+        release.set()
+        a.close()

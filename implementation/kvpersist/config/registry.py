@@ -167,8 +167,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KVP_L2_IO_THREADS", "int", "4", "adapter",
             "LMCache tasks (store, lookup, load) the adapter runs at once"),
     Setting("KVP_L2_FILE_THREADS", "int", "16", "adapter",
-            "files read or written at once across all tasks, each read verified as it arrives "
-            "(many reads in flight suit NVMe). Reads in flight share the device and can finish "
+            "files read or written at once on each root, across all tasks, each read verified "
+            "as it arrives (many reads in flight suit NVMe; a drive that hangs holds only its "
+            "own root's). Reads in flight share the device and can finish "
             "together: on a slow one keep this times 2 MiB well below its rate times "
             "`KVP_LOOKUP_TIMEOUT_S`, or a progressing restore looks stalled"),
     Setting("KVP_L2_QUARANTINE_MAX_FILES", "int", "1024", "adapter",

@@ -11,8 +11,11 @@ Load it through LMCache's plugin adapter type::
 Invariants (the store's, see :mod:`kvpersist.l2.store`, plus):
 
 * A load task sets a key's bit only when :meth:`KvFileStore.read_into` verified its bytes; a
-  task's files are read in parallel (``file_threads``), each checked as it arrives, so a failure
-  of one file is a miss of that key only.
+  task's files are read in parallel, each checked as it arrives, so a failure of one file is a
+  miss of that key only.
+* Each root has its own ``file_threads`` (:mod:`kvpersist.l2.file_pools`), and no thread waits
+  for a file: a device that stops answering holds its own root's file threads and the tasks
+  with a file on it, and nothing else.
 * A lookup sets a key's bit only if the file is indexed (or present on disk during the scan).
 * LMCache's byte accounting (``_notify_keys_stored``/``_notify_keys_deleted``) receives exactly
   the index changes of the store, and its LRU bookkeeping every verified read
@@ -23,17 +26,19 @@ Invariants (the store's, see :mod:`kvpersist.l2.store`, plus):
   is complete, and the index alone enforces the cap while LMCache's view catches up.  Only
   LMCache's own eviction waits: :meth:`KvPersistL2Adapter.delete` returns once its deletions
   are delivered, so the next usage check never evicts the same bytes twice.
-* Every submitted task completes and signals its event fd, even if an I/O call raises.
+* Every submitted task completes and signals its event fd, even if an I/O call raises; only a
+  file that never returns (a hung device) keeps its task, and the buffers it writes into, with
+  it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
@@ -48,6 +53,7 @@ from ..config.admin import WALKERS
 from ..config.values import SettingsError
 from . import bound_aesgcm, metrics
 from .announcer import Announcer
+from .file_pools import FilePools
 from .index import KeysCallback
 from .layout import KeyFields
 from .roots import RootSet, shares
@@ -63,7 +69,6 @@ _GB = 1024**3
 #: How long LMCache's eviction waits, at most, for its deletions to reach its own accounting
 #: (seconds: a million-key restart announcement takes about 5).
 DELETE_ANNOUNCED_WAIT_S = 60.0
-_T = TypeVar("_T")
 
 
 _KNOWN_PARAMS = {"path", "max_capacity_gb", "sharded", "fsync", "io_threads", "file_threads",
@@ -151,8 +156,9 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- fsync (bool): fsync each file before publishing (default false; the checksum\n"
             "  already turns a torn write after power loss into a miss)\n"
             "- io_threads (int): LMCache tasks (store, lookup, load) run at once (default 4)\n"
-            "- file_threads (int): files read or written at once across all tasks, each read\n"
-            "  verified as it arrives (default 16: many reads in flight for NVMe)\n"
+            "- file_threads (int): files read or written at once on each root, across all\n"
+            "  tasks, each read verified as it arrives (default 16: many reads in flight for\n"
+            "  NVMe; a drive that hangs holds only its own root's)\n"
             "- quarantine_max_files (int): beyond this, corrupt files are removed, not kept\n"
             "- shared_tree (str): the tree several nodes share; path is then this node's part\n"
             "  (<tree>/nodes/<id>), and keys it lacks are read from the other parts (default none)\n"
@@ -222,8 +228,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._done_load: dict[L2TaskId, Bitmap] = {}
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads,
                                         thread_name_prefix="kvpersist-l2-task")
-        self._files = ThreadPoolExecutor(max_workers=config.file_threads,
-                                         thread_name_prefix="kvpersist-l2-file")
+        self._files = FilePools(len(paths), config.file_threads)
         self._store.open(background_scan=True)
         metrics.bind(self._store.status)
         # an encrypted chunk whose tag fails under its own key (renamed, re-headered, foreign)
@@ -276,35 +281,29 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._pool.submit(self._run_store, tid, list(keys), list(objects))
         return tid
 
-    def _each_file(self, tid: L2TaskId, what: str, call: Callable[[int], _T],
-                   count: int) -> list[_T | None]:
-        """``call(i)`` for i in range(count) on the file pool, many at once; None where it
-        raised (logged).  Returns when every call has finished."""
-        futures = [self._files.submit(call, i) for i in range(count)]
-        results: list[_T | None] = []
-        for i, future in enumerate(futures):
-            try:
-                results.append(future.result())
-            except Exception:
-                logger.exception("kvpersist L2 %s task %d: file %d failed", what, tid, i)
-                results.append(None)
-        return results
-
     def _run_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
-        ok, written = True, 0
+        """Every key's file is written on its root's file pool; the task finishes with the
+        last (:meth:`_store_done`)."""
         try:
-            outcomes = self._each_file(
-                tid, "store", lambda i: self._store.put(
-                    to_fields(keys[i]), objects[i].byte_array, _layout_of(objects[i])),
-                len(keys))
-            for outcome, obj in zip(outcomes, objects, strict=True):
-                if outcome == "stored":
-                    written += len(memoryview(obj.byte_array).cast("B"))
-                elif outcome != "exists":
-                    ok = False
+            calls = []
+            for key, obj in zip(keys, objects, strict=True):
+                fields = to_fields(key)
+                calls.append((self._store.root_index(fields), functools.partial(
+                    self._store.put, fields, obj.byte_array, _layout_of(obj))))
+            self._files.run_all(f"store task {tid}", calls,
+                                functools.partial(self._store_done, tid, objects))
         except Exception:
             logger.exception("kvpersist L2 store task %d failed", tid)
-            ok = False
+            self._store_done(tid, objects, None)
+
+    def _store_done(self, tid: L2TaskId, objects: list[MemoryObj],
+                    outcomes: list[str | None] | None) -> None:
+        ok, written = outcomes is not None, 0
+        for outcome, obj in zip(outcomes or [], objects, strict=True):
+            if outcome == "stored":
+                written += len(memoryview(obj.byte_array).cast("B"))
+            elif outcome != "exists":
+                ok = False
         with self._lock:
             self._done_store[tid] = L2StoreResult(ok, written)
         self._store_efd.notify()
@@ -348,20 +347,27 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return tid
 
     def _run_load(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
-        """Every key's file is read on the file pool at once, each verified as it arrives."""
-        bitmap = Bitmap(len(keys))
-        loaded: list[ObjectKey] = []
+        """Every key's file is read on its root's file pool, each verified as it arrives; the
+        task finishes with the last (:meth:`_load_done`)."""
         try:
-            hits = self._each_file(
-                tid, "load", lambda i: self._store.read_into(to_fields(keys[i]),
-                                                             objects[i].byte_array),
-                len(keys))
-            for i, hit in enumerate(hits):
-                if hit:
-                    bitmap.set(i)
-                    loaded.append(keys[i])
+            calls = []
+            for key, obj in zip(keys, objects, strict=True):
+                fields = to_fields(key)
+                calls.append((self._store.root_index(fields), functools.partial(
+                    self._store.read_into, fields, obj.byte_array)))
+            self._files.run_all(f"load task {tid}", calls,
+                                functools.partial(self._load_done, tid, keys))
         except Exception:
             logger.exception("kvpersist L2 load task %d failed", tid)
+            self._load_done(tid, keys, [])
+
+    def _load_done(self, tid: L2TaskId, keys: list[ObjectKey], hits: list[bool | None]) -> None:
+        bitmap = Bitmap(len(keys))
+        loaded: list[ObjectKey] = []
+        for i, hit in enumerate(hits):
+            if hit:
+                bitmap.set(i)
+                loaded.append(keys[i])
         if loaded:
             self._announcer.announce("accessed", loaded)
         with self._lock:
@@ -438,7 +444,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._unsubscribe()
         metrics.bind(None)
         self._pool.shutdown(wait=True, cancel_futures=False)
-        self._files.shutdown(wait=True, cancel_futures=False)
+        self._files.shutdown()
         self._store.close()
         self._announcer.close(timeout=60)
         self._store_efd.close()

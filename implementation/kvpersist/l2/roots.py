@@ -306,6 +306,10 @@ class RootSet:
                 if drained:  # the last operation of a degraded root abandons its store
                     self._abandon_if_drained(root)
 
+    def root_index(self, key: KeyFields) -> int:
+        """The root an operation on ``key`` goes to (whose file threads it should use)."""
+        return self._holder(key)
+
     def _holder(self, key: KeyFields) -> int:
         """The root holding ``key``: the placed one unless another healthy root indexes it."""
         return self._find(key)[0]
