@@ -145,6 +145,37 @@ def test_keys_stay_found_and_counted_once_after_a_root_is_added(tmp_path: Path) 
         rs.close()
 
 
+def test_a_restore_ranks_each_key_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore asks for the same keys three times (the lookup, the load's dispatch to a
+    root's threads, the read); the rendezvous hash runs once per key, not once per step."""
+    from kvpersist.l2 import roots as roots_module
+
+    roots = [tmp_path / f"dev{i}" for i in range(3)]
+    keys = [key_of(i) for i in range(50)]
+    rs = root_set(roots, Ledger())
+    for i, key in enumerate(keys):
+        assert rs.put(key, payload(i)) == "stored"
+    rs.close()
+    ranked: Counter[KeyFields] = Counter()
+    real_rank = roots_module.rank
+
+    def counting_rank(key: KeyFields, names: Any) -> list[int]:
+        ranked[key] += 1
+        return real_rank(key, names)
+
+    monkeypatch.setattr(roots_module, "rank", counting_rank)
+    rs = root_set(roots, Ledger())  # after a restart: no key ranked yet
+    try:
+        assert rs.contains_many(keys) == [True] * len(keys)
+        buf = bytearray(PAYLOAD)
+        for i, key in enumerate(keys):
+            assert 0 <= rs.root_index(key) < 3
+            assert rs.read_into(key, buf) and bytes(buf) == payload(i)
+        assert ranked == Counter(keys)
+    finally:
+        rs.close()
+
+
 def test_a_lost_root_costs_only_its_keys_and_rejoins_after_a_scan(tmp_path: Path) -> None:
     roots = [tmp_path / "dev0", tmp_path / "dev1"]
     names = [str(r) for r in roots]

@@ -33,6 +33,7 @@ Invariants
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -86,6 +87,14 @@ class _Root:
         return str(self.path)
 
 
+#: How many keys' orders of roots :class:`RootSet` keeps (a 1M-token chat is 4,096 chunks).
+RANK_CACHE_KEYS = 16384
+
+
+def _rank_of(key: KeyFields, roots: tuple[str, ...]) -> list[int]:
+    return rank(key, roots)
+
+
 class RootSet:
     """The tier's roots (see module invariants).  ``capacities[i]`` is root ``i``'s share of
     the budget; ``paths[0]`` is the primary root (it keeps the register of root ids)."""
@@ -100,6 +109,11 @@ class RootSet:
             raise ValueError(f"a root is given twice: {names}")
         self._roots = [_Root(Path(p), int(c)) for p, c in zip(paths, capacities, strict=True)]
         self._names = names
+        #: Each key's order of roots, kept for the keys of the last few restores: a restore
+        #: asks for the same keys three times (lookup, the load's dispatch, the read) and the
+        #: rendezvous hash costs a few microseconds per key and root.
+        self._rank: Callable[[KeyFields], list[int]] = functools.lru_cache(
+            maxsize=RANK_CACHE_KEYS)(functools.partial(_rank_of, roots=tuple(names)))
         self._factory = factory
         self._on_added = on_added
         self._on_removed = on_removed
@@ -320,7 +334,7 @@ class RootSet:
         :meth:`_using` that the caller's operation goes through."""
         if not self.several:
             return 0, 0
-        order = rank(key, self._names)
+        order = self._rank(key)
         for i in order:
             root = self._roots[i]
             store = root.store if root.state == HEALTHY else None
