@@ -40,9 +40,11 @@ class _Gather(Generic[_T]):
         self._lock = threading.Lock()
         self._done = done
 
-    def finished(self, index: int, future: Future[_T]) -> None:
+    def finished(self, index: int, future: Future[_T] | None) -> None:
+        """File ``index`` is done (``future`` None: it never ran, its result stays None)."""
         try:
-            self._results[index] = future.result()
+            if future is not None:
+                self._results[index] = future.result()
         except Exception:
             logger.exception("kvpersist L2 %s: file %d failed", self._label, index)
         with self._lock:
@@ -71,14 +73,19 @@ class FilePools:
 
     def run_all(self, label: str, calls: Sequence[tuple[int, Callable[[], _T]]],
                 done: Callable[[list[_T | None]], None]) -> None:
-        """Run each ``(root, call)`` on that root's pool; ``done(results)`` once all have
-        finished (at once for no call).  Returns without waiting."""
+        """Run each ``(root, call)`` on that root's pool; ``done(results)`` exactly once, when
+        all have finished (at once for no call).  Returns without waiting and never raises."""
         gather: _Gather[_T] = _Gather(label, len(calls), done)
         if not calls:
             gather.complete()
             return
         for index, (root, call) in enumerate(calls):
-            future = self._pools[root].submit(call)
+            try:
+                future = self._pools[root].submit(call)
+            except Exception:  # shut down: that file fails, the task still finishes once
+                logger.exception("kvpersist L2 %s: file %d not started", label, index)
+                gather.finished(index, None)
+                continue
             future.add_done_callback(functools.partial(gather.finished, index))
 
     def shutdown(self) -> None:
