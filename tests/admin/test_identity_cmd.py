@@ -193,6 +193,35 @@ def test_engine_level_processor_kwargs_are_pinned_and_move_the_namespace(
     assert _pins_values(tuned)["mm_processor_kwargs_sha256"] == digest
     assert out.split("namespace ")[1].strip() != plain_ns
 
+def test_a_recipe_with_a_draft_model_writes_the_same_pins_and_says_the_engine_adds_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``draft_sha256`` is the engine's to compute: the pins leave it out, and a recipe that
+    runs a draft model is told that the engine's namespace adds it; n-grams add nothing."""
+    folder = tiny_folder(tmp_path)
+    plain, drafted = tmp_path / "plain.env", tmp_path / "drafted.env"
+    code, out, err = run(capsys, "identity", "write-pins", str(plain), "--vllm-args",
+                         f"{folder} {RECIPE}")
+    assert code == 0, err
+    assert "note:" not in out
+    eagle = '{"method": "eagle", "model": "/models/head", "num_speculative_tokens": 2}'
+    code, out, err = run(capsys, "identity", "write-pins", str(drafted), "--vllm-args",
+                         f"{folder} {RECIPE} --speculative-config '{eagle}'")
+    assert code == 0, err
+    assert "note:" in out and "draft_sha256" in out
+    assert drafted.read_text() == plain.read_text()
+    assert "DRAFT" not in drafted.read_text()
+    code, out, _ = run(capsys, "identity", "--pins", str(drafted), "--vllm-args",
+                       f"{folder} {RECIPE} --speculative-config '{eagle}'", "--json")
+    assert code == 0 and any("draft_sha256" in n for n in json.loads(out)["notes"])
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    code, out, _ = run(capsys, "identity", "--pins", str(plain), "--vllm-args",
+                       f"{folder} {RECIPE} --speculative-config '{ngram}'", "--json")
+    assert code == 0 and json.loads(out)["notes"] == []
+    code, _, err = run(capsys, "identity", "--vllm-args",
+                       f"{folder} {RECIPE} --speculative-config '[1]'")
+    assert code == 1 and "--speculative-config" in err and "JSON object" in err
+
+
 def test_missing_flag_still_shows_every_resolved_value(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = tiny_folder(tmp_path)

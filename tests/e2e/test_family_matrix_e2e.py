@@ -8,7 +8,13 @@ docs/models.md): tiny random-weight checkpoints through ``write-pins``, ``kvp-se
   and the reason this family is in the core).  On a host without AMX (an AMD EPYC CI host)
   vLLM runs MLA on its reference kernel, which cannot continue a prefill from cached KV: the
   gate refuses it by name, and the pins writer names the block size vLLM forces there (16).
-* Llama with n-gram speculative decoding: cached, bit-identical (the proposer adds no KV).
+* Llama with an EAGLE head (speculative decoding with a draft model): cached under the draft's
+  digest, every full chunk from L2 bit-identical to cold, each chunk file holding the head's KV
+  layer beside the target's two, the head drafting in both rounds.  (Whether the restored
+  draft KV is the stored one shows only in the acceptance rate, and a random head's proposals
+  are never accepted: that check is a GPU run's, docs/models.md.)  N-gram proposers, which add no KV,
+  keep the target's namespace (``tests/serving/test_connector_gate.py``; the whole matrix
+  restores them).
 
 The refused families (window groups, recurrent state) are left to the whole matrix: their gate
 refusals are unit-tested on vLLM's real configs, and a closed gate serving vLLM is shown end to
@@ -22,11 +28,15 @@ from pathlib import Path
 import pytest
 
 from kvpersist.demo.tiny_families import FAMILIES
+from kvpersist.l2.format import HEADER_SIZE
 from kvpersist.testing.family_matrix import run_matrix
 
 pytestmark = pytest.mark.e2e
 
-CORE = ("deepseek-v2", "llama-ngram")
+CORE = ("deepseek-v2", "llama-eagle")
+#: A full chunk of the tiny Llama with its EAGLE head: 256 tokens x (2 target layers + 1 draft
+#: layer) x K and V x 2 KV heads x 32 x 4 bytes (float32), after the file's header.
+EAGLE_CHUNK_PAYLOAD = 256 * 3 * 2 * 2 * 32 * 4
 
 
 def test_the_core_families_are_cached_exactly(tmp_path: Path) -> None:
@@ -39,7 +49,10 @@ def test_the_core_families_are_cached_exactly(tmp_path: Path) -> None:
     # on a host without AMX the MLA family is refused by name (family_matrix.for_this_host)
     assert {r.family for r in cached} == {r.family for r in results if r.expect == "cached"}, \
         report
-    assert "llama-ngram" in {r.family for r in cached}, report
+    assert "llama-eagle" in {r.family for r in cached}, report
     for r in cached:  # the judgement had something to judge
         assert r.full_chunks >= 3 and r.restored_tokens == 256 * r.full_chunks, report
         assert r.identical is True, report
+    eagle = next(r for r in cached if r.family == "llama-eagle")
+    assert eagle.chunk_bytes == HEADER_SIZE + EAGLE_CHUNK_PAYLOAD, report
+    assert len(eagle.spec_drafted) == 2 and min(eagle.spec_drafted) > 0, report  # it drafted

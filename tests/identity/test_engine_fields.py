@@ -54,7 +54,8 @@ def test_every_decision_says_why_and_names_real_namespace_fields() -> None:
                       ("cache_config.cache_dtype", Namespace),
                       ("model_config.enable_prompt_embeds", PerRequest),
                       ("lora_config.lora_dtype", PerRequest),
-                      ("speculative_config.method", ClosesGate),
+                      ("speculative_config.method", Namespace),
+                      ("speculative_config.code_revision", ClosesGate),
                       ("model_config.enable_sleep_mode", ClosesGate),
                       ("cache_config.kv_cache_dtype_skip_layers", ClosesGate)]:
         assert isinstance(ENGINE_FIELDS[key], kind), key

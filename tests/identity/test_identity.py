@@ -47,6 +47,7 @@ BASE: dict[str, object] = {
     "model_config_sha256": "c" * 64,
     "weights_sha256": "e" * 64,
     "mm_processor_kwargs_sha256": "none",
+    "draft_sha256": "none",
 }
 
 #: A different valid value for every field.
@@ -71,6 +72,7 @@ CHANGED: dict[str, object] = {
     "model_config_sha256": "d" * 64,
     "weights_sha256": "f" * 64,
     "mm_processor_kwargs_sha256": "9" * 64,
+    "draft_sha256": "8" * 64,
 }
 
 
@@ -108,6 +110,7 @@ def test_a_field_added_later_keeps_every_earlier_namespace_at_its_earlier_value(
     before = CacheIdentity.from_mapping(earlier)
     assert before == CacheIdentity.from_mapping(BASE)
     assert "mm_processor_kwargs_sha256" not in before.canonical_json()
+    assert "draft_sha256" not in before.canonical_json()
     assert before.namespace == "kvp-" + hashlib.sha256(
         json.dumps(earlier, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
     given = CacheIdentity.from_mapping({**BASE, "mm_processor_kwargs_sha256": "9" * 64})

@@ -453,18 +453,51 @@ def test_an_mla_model_s_pins_agree_with_the_engine_and_the_gate_opens(
     assert isinstance(decision, CacheOn), getattr(decision, "reason", decision)
 
 
-def test_draft_free_speculative_decoding_is_cached_and_a_draft_model_is_refused(
-        tiny_model: Path) -> None:
-    """N-gram proposers add no KV (the target's prefill KV is all a chunk holds): cached.  A
-    draft model's KV layers are not keyed yet: the gate closes naming the speculative config."""
-    ngram = engine_config(tiny_model, TINY_PINS, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1})
-    assert isinstance(decide(ngram, environ={}, probe=lambda _: True), CacheOn)
-    drafted = engine_config(tiny_model, TINY_PINS, speculative_config={
-        "model": str(tiny_model), "num_speculative_tokens": 2})
-    decision = decide(drafted, environ={}, probe=lambda _: True)
-    assert isinstance(decision, Closed) and "speculative_config" in decision.reason
+def test_a_draft_model_is_cached_in_a_namespace_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """N-gram proposers add no KV: the target's namespace.  An EAGLE head's KV layer is
+    stored with the target's: cached under ``draft_sha256``, which moves with the draft's
+    bytes and its speculative settings; a draft folder that cannot be digested turns caching
+    off by that field's name."""
+    import shutil
+
+    from kvpersist.demo.tiny_drafts import build_draft
+    from kvpersist.demo.tiny_families import FAMILIES, build_family
+
+    family = FAMILIES["llama-eagle"]
+    target = build_family(tmp_path / "models", family)
+    head = build_draft(tmp_path / "models", family)
+    pins = pins_for_model(target, tmp_path / "llama.env", block_size=64)
+
+    def namespace(speculative: dict[str, Any] | None) -> str:
+        cfg = engine_config(target, pins, block_size=64, speculative_config=speculative)
+        decision = decide(cfg, environ={}, probe=lambda _: True)
+        assert isinstance(decision, CacheOn), getattr(decision, "reason", decision)
+        return decision.identity.namespace
+
+    plain = namespace(None)
+    assert namespace({"method": "ngram", "num_speculative_tokens": 3,
+                      "prompt_lookup_max": 3, "prompt_lookup_min": 1}) == plain
+    eagle = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    drafted = namespace(eagle)
+    assert drafted != plain
+    assert namespace(dict(eagle)) == drafted  # a pure function of the engine's draft
+    assert namespace({**eagle, "num_speculative_tokens": 3}) not in (plain, drafted)
+    moved = tmp_path / "head-copy"
+    shutil.copytree(head, moved)
+    assert namespace({**eagle, "model": str(moved)}) == drafted  # its bytes, not its path
+    weights = moved / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of the draft's weights
+    weights.write_bytes(bytes(data))
+    assert namespace({**eagle, "model": str(moved)}) not in (plain, drafted)
+    cfg = engine_config(target, pins, block_size=64,
+                        speculative_config={**eagle, "model": str(moved)})
+    from kvpersist.identity import draft
+
+    monkeypatch.setattr(draft, "engine_weights_digest", lambda *_: None)  # a file unreadable
+    decision = decide(cfg, environ={}, probe=lambda _: True)
+    assert isinstance(decision, Closed) and "draft_sha256" in decision.reason
 
 
 def mla_engine(*, use_mla: bool = True, model_type: str = "deepseek_v2",

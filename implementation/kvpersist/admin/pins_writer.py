@@ -26,7 +26,7 @@ from ..identity import FIELDS, CacheIdentity
 #: Files any one of which makes a folder a tokenizer folder (as transformers loads them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: Fields the pins file leaves to the running engine.
-ENGINE_ONLY = ("build", "weights_sha256")
+ENGINE_ONLY = ("build", "weights_sha256", "draft_sha256")
 
 
 class PinsError(ValueError):

@@ -63,6 +63,12 @@ class Family:
     #: ``chat`` (``/v1/chat/completions``) or ``completions``: a family whose chat format vLLM
     #: renders with special tokens of its own (gpt-oss's harmony) is asked as text
     api: str = "chat"
+    #: a speculative draft built for this family (:mod:`kvpersist.demo.tiny_drafts`); its
+    #: snapshot folder replaces ``{draft}`` in ``extra_args``
+    draft: str = ""
+    #: vLLM's CPU KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``): one shared segment that the
+    #: server maps once per layer when the engine registers
+    kv_cache_gib: int = 1
     note: str = ""
 
     @property
@@ -80,6 +86,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        '{"method": "ngram", "num_speculative_tokens": 3, '
                        '"prompt_lookup_max": 3, "prompt_lookup_min": 1}'),
            note="n-gram speculative decoding: the proposer adds no KV"),
+    Family("llama-eagle", "llama", builds="llama", draft="eagle",
+           extra_args=("--speculative-config",
+                       '{"method": "eagle", "model": "{draft}", "num_speculative_tokens": 2}'),
+           note="EAGLE speculative decoding: the head's KV layer is stored with the target's, "
+                "and the draft is in the namespace (draft_sha256)"),
     Family("qwen2", "qwen2", {"head_dim": None}),
     Family("qwen3", "qwen3"),
     Family("qwen3-moe", "qwen3_moe", dict(_MOE), dtype="bfloat16"),
@@ -130,6 +141,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            expect="refused: recurrent-state", dtype="bfloat16",
            note="Mamba-2 and attention layers: vLLM sets mamba_block_size, whose recurrent "
                 "state kvpersist does not key"),
+    Family("llama-deep", "llama", {"num_hidden_layers": 64}, kv_cache_gib=5,
+           note="64 layers and a 5 GiB KV cache: the server maps the segment once per layer "
+                "at registration, which must answer within vLLM's wait (issue 48)"),
     Family("deepseek-v2", "deepseek_v2",
            {"num_hidden_layers": 3, "num_key_value_heads": HEADS, "head_dim": None,
             "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,

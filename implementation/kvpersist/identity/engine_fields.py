@@ -73,7 +73,8 @@ _DERIVED = "derived by vLLM from fields classified elsewhere"
 _FRONTEND = "the API front end (tokenizer process, media fetching, request parsing)"
 _CONNECTOR = "the KV connector's own configuration (kvpersist itself)"
 
-_SPEC = "speculative decoding: draft-model KV layers are not keyed yet (a miss, never wrong)"
+_DRAFT = ("a draft model's KV layers, stored with the target's in every chunk: digested "
+          "as the engine resolves them")
 _CKPT = "the checkpoint's config (with hf_overrides) is hashed into model_config_sha256"
 _LORA_KEY = "folded into each adapter's key with the adapter's content digest"
 _MM_HASH = "a factor of vLLM's multimodal content hash, which the request key carries"
@@ -446,31 +447,31 @@ ENGINE_FIELDS: dict[str, Decision] = {
     "lora_config.max_lora_cls_labels": Neutral(_OUTPUT),
     # -- speculative_config
     "speculative_config.enforce_eager": Neutral(_KERNEL),
-    "speculative_config.num_speculative_tokens": ClosesGate(_SPEC, safe=(None,)),
-    "speculative_config.model": ClosesGate(_SPEC, safe=(None,)),
-    "speculative_config.method": ClosesGate(_SPEC, safe=(None,)),
-    "speculative_config.draft_tensor_parallel_size": ClosesGate(_SPEC, safe=(None,)),
-    "speculative_config.tensor_parallel_size": ClosesGate(_SPEC, safe=(None,)),
-    "speculative_config.quantization": ClosesGate(_SPEC, safe=(None,)),
+    "speculative_config.num_speculative_tokens": Namespace(("draft_sha256",), _DRAFT),
+    "speculative_config.model": Namespace(("draft_sha256",), _DRAFT),
+    "speculative_config.method": Namespace(("draft_sha256",), _DRAFT),
+    "speculative_config.draft_tensor_parallel_size": Namespace(("draft_sha256",), _DRAFT),
+    "speculative_config.tensor_parallel_size": Namespace(("draft_sha256",), _DRAFT),
+    "speculative_config.quantization": Namespace(("draft_sha256",), _DRAFT),
     "speculative_config.moe_backend": Neutral(_KERNEL),
     "speculative_config.attention_backend": Neutral(_KERNEL),
-    "speculative_config.kv_cache_dtype": ClosesGate(_SPEC, safe=(None,)),
-    "speculative_config.max_model_len": ClosesGate(_SPEC, safe=(None,)),
-    "speculative_config.revision": ClosesGate(_SPEC, safe=(None,)),
+    "speculative_config.kv_cache_dtype": Namespace(("draft_sha256",), _DRAFT),
+    "speculative_config.max_model_len": Namespace(("draft_sha256",), _DRAFT),
+    "speculative_config.revision": Namespace(("draft_sha256",), _DRAFT),
     "speculative_config.code_revision": ClosesGate("draft code at another revision", safe=(None,)),
-    "speculative_config.index_share_for_mtp_iteration": ClosesGate(_SPEC, safe=(None,)),
+    "speculative_config.index_share_for_mtp_iteration": Namespace(("draft_sha256",), _DRAFT),
     "speculative_config.disable_padded_drafter_batch": Neutral(_SCHED),
     "speculative_config.disable_eagle_block_drop": Neutral(_PREFIX_CACHE),
     "speculative_config.use_local_argmax_reduction": Neutral(_OUTPUT),
-    "speculative_config.use_heterogeneous_vocab": ClosesGate(_SPEC, safe=(None,)),
+    "speculative_config.use_heterogeneous_vocab": Namespace(("draft_sha256",), _DRAFT),
     "speculative_config.prompt_lookup_max": Neutral(_NO_DRAFT_MODEL),
     "speculative_config.prompt_lookup_min": Neutral(_NO_DRAFT_MODEL),
-    "speculative_config.parallel_drafting": ClosesGate(_SPEC, safe=(None,)),
+    "speculative_config.parallel_drafting": Namespace(("draft_sha256",), _DRAFT),
     "speculative_config.target_model_config": Neutral(_DERIVED),
     "speculative_config.target_parallel_config": Neutral(_DERIVED),
-    "speculative_config.num_speculative_tokens_per_batch_size": ClosesGate(_SPEC, safe=(None,)),
-    "speculative_config.draft_model_config": ClosesGate(_SPEC, safe=(None,)),
-    "speculative_config.draft_parallel_config": ClosesGate(_SPEC, safe=(None,)),
+    "speculative_config.num_speculative_tokens_per_batch_size": Namespace(("draft_sha256",), _DRAFT),
+    "speculative_config.draft_model_config": Namespace(("draft_sha256",), _DRAFT),
+    "speculative_config.draft_parallel_config": Namespace(("draft_sha256",), _DRAFT),
     "speculative_config.suffix_decoding_max_tree_depth": Neutral(_NO_DRAFT_MODEL),
     "speculative_config.suffix_decoding_max_cached_requests": Neutral(_NO_DRAFT_MODEL),
     "speculative_config.suffix_decoding_max_spec_factor": Neutral(_NO_DRAFT_MODEL),

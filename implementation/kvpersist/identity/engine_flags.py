@@ -17,6 +17,8 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .engine_fields import DRAFT_FREE_METHODS
+
 #: vLLM's own defaults (``EngineArgs``) for the identity flags a recipe may leave out; a test
 #: holds them to the installed vLLM.  Block size and max model length have none: vLLM derives
 #: them from the platform and the model, so a recipe must say them (or ``--set``).
@@ -40,6 +42,7 @@ class IdentityFlags:
     quantization: str | None = None
     hf_overrides: str | None = None  # JSON text, as vLLM takes it
     mm_processor_kwargs: str | None = None  # JSON text, as vLLM takes it
+    speculative_config: str | None = None  # JSON text, as vLLM takes it
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The identity-relevant vLLM flags, spelled as vLLM spells them: read out of a recipe's
@@ -57,6 +60,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-overrides", help="vLLM --hf-overrides (JSON: rope scaling and the like)")
     p.add_argument("--mm-processor-kwargs",
                    help="vLLM --mm-processor-kwargs (JSON: the multimodal processor's settings)")
+    p.add_argument("--speculative-config",
+                   help="vLLM --speculative-config (JSON); a draft model's digest "
+                        "(draft_sha256) is the engine's to compute")
 
 
 def _flag_parser() -> argparse.ArgumentParser:
@@ -85,7 +91,8 @@ def identity_flags(args: str | Sequence[str]) -> IdentityFlags:
                          max_model_len=known.max_model_len, dtype=known.dtype,
                          kv_cache_dtype=known.kv_cache_dtype, chat_template=known.chat_template,
                          quantization=known.quantization, hf_overrides=known.hf_overrides,
-                         mm_processor_kwargs=known.mm_processor_kwargs)
+                         mm_processor_kwargs=known.mm_processor_kwargs,
+                         speculative_config=known.speculative_config)
 
 def _json_object(flag: str, text: str | None) -> dict[str, object] | None:
     """A JSON-object flag as the mapping vLLM takes; EngineFlagsError when it is not one."""
@@ -98,6 +105,15 @@ def _json_object(flag: str, text: str | None) -> dict[str, object] | None:
     if not isinstance(value, dict):
         raise EngineFlagsError(f"{flag} {text!r} must be a JSON object")
     return value
+
+
+def names_a_draft(flags: IdentityFlags) -> bool:
+    """Whether the recipe's ``--speculative-config`` runs a draft model (anything but the
+    draft-free proposers); EngineFlagsError when it is not a JSON object."""
+    spec = _json_object("--speculative-config", flags.speculative_config)
+    if spec is None:
+        return False
+    return spec.get("method") not in DRAFT_FREE_METHODS or spec.get("model") is not None
 
 
 def hf_overrides_of(flags: IdentityFlags) -> dict[str, object] | None:

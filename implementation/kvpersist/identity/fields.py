@@ -35,6 +35,8 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 NO_CHAT_TEMPLATE = "none"
 #: ``mm_processor_kwargs_sha256`` of an engine without engine-level processor kwargs.
 NO_MM_PROCESSOR_KWARGS = "none"
+#: ``draft_sha256`` of an engine without a draft model (no speculative decoding, or n-grams).
+NO_DRAFT = "none"
 
 #: Canonical KV-cache dtype names.  ``auto`` is deliberately absent: it is not a dtype.
 _DTYPE_ALIASES: dict[str, str] = {
@@ -96,11 +98,16 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("mm_processor_kwargs_sha256", "KVP_MM_PROCESSOR_KWARGS_SHA256", "sha256",
               "sha256 of the engine-level --mm-processor-kwargs as canonical JSON, or 'none' "
               "when there are none"),
+    FieldSpec("draft_sha256", "KVP_DRAFT_SHA256", "sha256",
+              "sha256 of a speculative draft model as the engine resolves it (method, the "
+              "draft folder's bytes and config, dtype, quantization, TP; "
+              "kvpersist.identity.draft), or 'none' without one; the engine computes it"),
 )
 #: Fields added after namespaces were in use, with the value every earlier identity had.  At
 #: that value a field is left out of the canonical JSON and of records (so no namespace that
 #: existed before it changes) and filled in when a record lacks it; any other value is in both.
-OPTIONAL_FIELDS: dict[str, str] = {"mm_processor_kwargs_sha256": NO_MM_PROCESSOR_KWARGS}
+OPTIONAL_FIELDS: dict[str, str] = {"mm_processor_kwargs_sha256": NO_MM_PROCESSOR_KWARGS,
+                                    "draft_sha256": NO_DRAFT}
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 _BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
 BY_ENV: dict[str, FieldSpec] = {f.env: f for f in FIELDS}
@@ -181,6 +188,7 @@ class CacheIdentity:
     model_config_sha256: str
     weights_sha256: str
     mm_processor_kwargs_sha256: str = NO_MM_PROCESSOR_KWARGS
+    draft_sha256: str = NO_DRAFT
 
     def __post_init__(self) -> None:
         for spec in FIELDS:

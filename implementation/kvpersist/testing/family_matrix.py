@@ -40,6 +40,7 @@ from typing import Any
 
 from ..config.server import load_settings
 from ..demo.stack import VllmProcess, chat, long_conversation, metric_sum
+from ..demo.tiny_drafts import build_draft
 from ..demo.tiny_families import (
     FAMILIES,
     Family,
@@ -51,9 +52,13 @@ from ..identity.fields import NAMESPACE_IN_TEXT
 from ..l2.layout import sanitize_model_name
 from ..serving.launcher.vllm_client import ChatResult, complete
 from ..serving.server.lifecycle import start_server, stop_server
-from .helpers import l2_files, server_env
+from .helpers import l2_data_files, l2_files, server_env
 
 HITS = "vllm:external_prefix_cache_hits_total"
+#: Draft tokens the target accepted (speculative decoding): equal in both rounds when the
+#: restored draft KV is the stored one, since every proposal then repeats
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
 CHUNK = 256
 REQUEST_TIMEOUT = 300.0
 
@@ -72,6 +77,9 @@ class FamilyResult:
     prompt_tokens: int = 0
     full_chunks: int = 0
     stored_files: int = 0
+    #: the size of the largest file stored (a full chunk: every KV layer the engine registered,
+    #: a draft's included, times the chunk's tokens, plus the header)
+    chunk_bytes: int = 0
     restored_tokens: float = 0.0
     identical: bool | None = None
     #: the restored answer against vLLM's own prefix-cache hit (asked only when not identical)
@@ -79,6 +87,12 @@ class FamilyResult:
     #: whether a fresh engine's cold answer equalled round 1's (asked only when not identical)
     cold_repeatable: bool | None = None
     gate_line: str = ""
+    #: seconds from vLLM's launch to its first answer on /health, per round
+    start_s: list[float] = field(default_factory=list)
+    #: draft tokens accepted per round (a family with a draft model; empty otherwise)
+    spec_accepted: list[float] = field(default_factory=list)
+    #: draft tokens proposed per round
+    spec_drafted: list[float] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -102,13 +116,22 @@ def write_pins(family: Family, snapshot: Path, out: Path) -> Path:
     return out
 
 
+def recipe_args(family: Family, draft: Path | None) -> list[str]:
+    """The family's own vLLM arguments, with its draft's folder in place of ``{draft}``."""
+    if any("{draft}" in arg for arg in family.extra_args) and draft is None:
+        raise ValueError(f"family {family.name} names a draft that was not built")
+    return [arg.replace("{draft}", str(draft)) for arg in family.extra_args]
+
+
 def _vllm(family: Family, snapshot: Path, pins: Path, log: Path, env: dict[str, str],
-          *, prefix_cache: bool = False) -> VllmProcess:
+          *, draft: Path | None = None, prefix_cache: bool = False) -> VllmProcess:
     """The family's recipe through ``kvp-vllm``; vLLM's own prefix cache off unless asked."""
+    env = {**env, "VLLM_CPU_KVCACHE_SPACE": str(family.kv_cache_gib)}
     return VllmProcess(snapshot, pins, log, env, dtype=family.dtype,
                        extra_args=["--block-size", str(family.block_size),
                                    "--enable-prefix-caching" if prefix_cache
-                                   else "--no-enable-prefix-caching", *family.extra_args])
+                                   else "--no-enable-prefix-caching",
+                                   *recipe_args(family, draft)])
 
 
 def as_text(messages: list[dict[str, str]]) -> str:
@@ -126,6 +149,11 @@ def _gate_line(log: Path) -> str:
 
 def _family_files(root: Path, namespace: str) -> int:
     return sum(1 for name in l2_files(root) if namespace in name)
+
+
+def _largest_file(root: Path, namespace: str) -> int:
+    return max((p.stat().st_size for p in l2_data_files(root) if namespace in p.name),
+               default=0)
 
 
 def _namespace(gate_line: str) -> str:
@@ -158,11 +186,14 @@ def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyR
     settings = load_settings(env)
     results = {f.name: FamilyResult(f.name, f.expect) for f in families}
     snapshots: dict[str, Path] = {}
+    drafts: dict[str, Path] = {}
     pins: dict[str, Path] = {}
     cold: dict[str, ChatResult] = {}
     for family in families:
         try:
             snapshots[family.name] = build_family(models, family)
+            if family.draft:
+                drafts[family.name] = build_draft(models, family)
             pins[family.name] = write_pins(family, snapshots[family.name],
                                            work / f"{family.name}.env")
         except Exception as exc:  # a family that cannot be built is that family's failure
@@ -176,11 +207,16 @@ def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyR
                 if round_no == 2 and (family.name not in cold or result.outcome != "cached"):
                     continue
                 log = work / f"vllm-{family.name}-{round_no}.log"
-                vllm = _vllm(family, snapshots[family.name], pins[family.name], log, env)
+                vllm = _vllm(family, snapshots[family.name], pins[family.name], log, env,
+                             draft=drafts.get(family.name))
                 try:
-                    vllm.start()
+                    result.start_s.append(round(vllm.start(), 1))
                     answer = _ask(family, vllm.base_url)
-                    hits = metric_sum(vllm.metrics(), HITS)
+                    metrics = vllm.metrics()
+                    hits = metric_sum(metrics, HITS)
+                    if family.draft:
+                        result.spec_accepted.append(metric_sum(metrics, ACCEPTED))
+                        result.spec_drafted.append(metric_sum(metrics, DRAFTED))
                 except Exception as exc:
                     result.problems.append(f"round {round_no}: {type(exc).__name__}: {exc}")
                     continue
@@ -194,7 +230,8 @@ def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyR
                 if not _same(answer, cold[family.name]):
                     try:
                         reference = _prefix_cache_answers(family, snapshots[family.name],
-                                                          pins[family.name], work, env)
+                                                          pins[family.name], work, env,
+                                                          drafts.get(family.name))
                     except Exception as exc:
                         result.problems.append(f"vLLM prefix-cache reference: "
                                                f"{type(exc).__name__}: {exc}")
@@ -214,6 +251,7 @@ def _judge_cold(family: Family, result: FamilyResult, answer: ChatResult, log: P
                            else _family_files(root, sanitize_model_name(family.model_id + "/")))
     if "caching ON" in result.gate_line:
         result.outcome = "cached"
+        result.chunk_bytes = _largest_file(root, _namespace(result.gate_line))
         if result.stored_files < result.full_chunks:
             result.problems.append(f"{result.stored_files} files stored for "
                                    f"{result.full_chunks} full chunks")
@@ -235,11 +273,12 @@ def _ask(family: Family, base_url: str) -> ChatResult:
 
 
 def _prefix_cache_answers(family: Family, snapshot: Path, pins: Path, work: Path,
-                          env: dict[str, str]) -> tuple[ChatResult, ChatResult]:
+                          env: dict[str, str], draft: Path | None
+                          ) -> tuple[ChatResult, ChatResult]:
     """The chat asked twice of one engine with its prefix cache on and kvpersist bypassed:
     its cold answer, then its answer from its own prefix cache (a hit on the first)."""
     vllm = _vllm(family, snapshot, pins, work / f"vllm-{family.name}-prefix-cache.log",
-                 {**env, "KVP_CACHE_BYPASS": "1"}, prefix_cache=True)
+                 {**env, "KVP_CACHE_BYPASS": "1"}, draft=draft, prefix_cache=True)
     try:
         vllm.start()
         first = _ask(family, vllm.base_url)
@@ -317,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         mark = "PASS" if r.passed else "FAIL"
         detail = (f"{r.restored_tokens:.0f}/{r.full_chunks * CHUNK} tokens from L2, "
                   f"identical={r.identical}, prefix-cache identical={r.prefix_cache_identical}"
-                  f", cold repeatable={r.cold_repeatable}"
+                  f", cold repeatable={r.cold_repeatable}, vLLM started in "
+                  f"{' and '.join(f'{s:.0f}' for s in r.start_s)} s, chunk file "
+                  f"{r.chunk_bytes} B" + (f", draft tokens accepted {r.spec_accepted} of "
+                                         f"{r.spec_drafted}"
+                                         if r.spec_accepted else "")
                   if r.outcome.startswith("cached") else r.gate_line[-160:])
         print(f"{mark}  {r.family:16} {r.outcome:8} {detail}")
         for problem in r.problems:

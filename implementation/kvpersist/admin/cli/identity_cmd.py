@@ -31,7 +31,9 @@ from ...identity.engine_flags import (
     hf_overrides_of,
     identity_flags,
     mm_processor_kwargs_of,
+    names_a_draft,
 )
+from ...identity.fields import NO_DRAFT
 from ...identity.records import list_records, read_record
 from ...identity.sources import (
     CONNECTOR_NAME,
@@ -74,6 +76,9 @@ class CliResolution:
     live: dict[str, object]
     model_folder: Path | None
     chat_template_text: str | None
+    #: the recipe runs a draft model, whose digest only the engine computes: the namespace
+    #: shown is the one without it
+    draft_named: bool = False
 
 
 def engine_flags(args: argparse.Namespace) -> IdentityFlags:
@@ -128,6 +133,9 @@ def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
             value = vllm_block_size.resolve(value, folder_text_config(folder))
         if value is not None:
             live[name] = value
+    # the engine's alone (pins leave it out): 'none' unless a draft model runs, and then the
+    # engine adds its digest to the namespace shown here
+    live["draft_sha256"] = NO_DRAFT
     live.update(overrides(args.set or []))
     if folder or args.with_build:
         live["connector"] = CONNECTOR_NAME
@@ -135,7 +143,14 @@ def resolve_cli_identity(args: argparse.Namespace) -> CliResolution:
         if build is not None:
             live["build"] = build
     return CliResolution(merge_sources(pins, live, live_label="resolved"), pins, live,
-                         Path(folder) if folder else None, template_text)
+                         Path(folder) if folder else None, template_text,
+                         draft_named=names_a_draft(flags))
+
+
+#: What ``kvp-admin identity`` says when the recipe runs a draft model.
+DRAFT_NOTE = ("the recipe's --speculative-config runs a draft model: the engine adds its digest "
+              "(draft_sha256) to the namespace, so the engine's namespace differs from the one "
+              "shown; the pins leave it out")
 
 
 def _field_rows(found: CliResolution) -> list[tuple[str, object, str]]:
@@ -258,6 +273,8 @@ def cmd_write_pins(args: argparse.Namespace) -> int:
                     "fields": ident.as_dict()})
     else:
         print(f"{outcome} {target}: namespace {ident.namespace}")
+        if found.draft_named:
+            print(f"note: {DRAFT_NOTE}")
     return EXIT_OK
 
 
@@ -278,6 +295,7 @@ def cmd_identity_resolve(args: argparse.Namespace) -> int:
                         if s.name not in found.pins and s.name not in found.live],
             "sources": resolution.sources,
             "problems": resolution.problems,
+            "notes": [DRAFT_NOTE] if found.draft_named else [],
         })
     else:
         print(table(_field_rows(found), ("field", "value", "source")))
@@ -285,6 +303,8 @@ def cmd_identity_resolve(args: argparse.Namespace) -> int:
         print(resolution.summary())
         if ident:
             print(f"lmcache model name: {ident.lmcache_model_name()}")
+        if found.draft_named:
+            print(f"note: {DRAFT_NOTE}")
     return EXIT_OK if resolution.enabled else EXIT_OFF
 
 

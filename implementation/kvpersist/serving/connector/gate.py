@@ -32,10 +32,12 @@ from typing import Any
 from ...config.client import ConnectorOptions
 from ...config.values import SettingsError
 from ...identity import CacheIdentity, IdentityError, IdentityResolution, load_pins, merge_sources
+from ...identity.draft import draft_digest
 from ...identity.engine_env import closing_env_reasons, closing_extra_config_reasons
 from ...identity.engine_fields import closing_reasons
 from ...identity.records import write_record
 from ...identity.sources import from_vllm_config
+from ...identity.weights_digest import FileDigestCache, default_cache_dir
 from .. import http
 
 SERVER_PROBE_TIMEOUT_S = 2.0
@@ -88,6 +90,9 @@ def resolve_engine_identity(vllm_config: Any, options: ConnectorOptions) -> Iden
     try:
         pins = load_pins(options.pins)
         live = from_vllm_config(vllm_config, chat_template_file=options.chat_template_file)
+        draft = draft_digest(vllm_config, FileDigestCache(default_cache_dir()))
+        if draft is not None:  # left out when unreadable: missing, so caching stays off
+            live["draft_sha256"] = draft
     except (IdentityError, OSError, ValueError) as exc:
         return IdentityResolution(None, [str(exc)])
     return merge_sources(pins, live, live_label="engine")
