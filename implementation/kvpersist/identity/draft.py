@@ -31,13 +31,7 @@ from typing import Any
 
 from .engine_fields import DRAFT_FREE_METHODS
 from .fields import NO_DRAFT
-from .sources import (
-    engine_config_json,
-    engine_model_config_digest,
-    engine_weights_digest,
-    model_config_digest,
-    read_model_config,
-)
+from .sources import engine_model_config_digest, engine_weights_digest
 from .weights_digest import FileDigestCache
 
 #: ``SpeculativeConfig`` fields digested as the engine holds them (None where unset).
@@ -57,24 +51,13 @@ def _plain(value: Any) -> Any:
     return str(getattr(value, "value", value)).removeprefix("torch.")
 
 
-#: vLLM's own transform of every draft's config (``SpeculativeConfig.hf_config_override``):
-#: code of the build, which the ``build`` field keys, so the draft's config.json alone is
-#: digested under it.  Any other function (a target's own) leaves the config undigestable.
+#: vLLM's own transform of every draft's config (``SpeculativeConfig.hf_config_override``).
 _VLLM_DRAFT_OVERRIDE = ("vllm.config.speculative", "SpeculativeConfig.hf_config_override")
 
 
-def _draft_config_digest(draft: Any) -> str | None:
-    overrides = getattr(draft, "hf_overrides", None)
-    if callable(overrides) and (getattr(overrides, "__module__", None),
-                                getattr(overrides, "__qualname__", None)) == _VLLM_DRAFT_OVERRIDE:
-        path = engine_config_json(draft)
-        if path is None:
-            return None
-        try:
-            return model_config_digest(read_model_config(path), None)
-        except ValueError:
-            return None
-    return engine_model_config_digest(draft)
+def _vllm_draft_override(overrides: Any) -> bool:
+    return (getattr(overrides, "__module__", None),
+            getattr(overrides, "__qualname__", None)) == _VLLM_DRAFT_OVERRIDE
 
 
 def draft_fields(spec: Any, digests: FileDigestCache) -> dict[str, Any] | None:
@@ -87,7 +70,7 @@ def draft_fields(spec: Any, digests: FileDigestCache) -> dict[str, Any] | None:
         return None
     try:
         weights = engine_weights_digest(draft, digests)
-        config = _draft_config_digest(draft)
+        config = engine_model_config_digest(draft, build_code=_vllm_draft_override)
     except ValueError:  # a name the hub cache refuses to look up (no such folder either)
         return None
     if weights is None or config is None:

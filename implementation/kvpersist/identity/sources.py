@@ -339,11 +339,15 @@ def engine_weights_digest(mc: Any, digests: FileDigestCache) -> str | None:
         return None
 
 
-def engine_model_config_digest(mc: Any) -> str | None:
+def engine_model_config_digest(mc: Any, *,
+                               build_code: Callable[[Any], bool] | None = None) -> str | None:
     """:func:`model_config_digest` of the running engine, or None (the field is then missing
     and caching stays off) when its config.json cannot be found or its ``hf_overrides`` is a
-    function (which no digest can key)."""
+    function (which no digest can key) other than one ``build_code`` recognises as vLLM's own
+    (code of the build, which the ``build`` field keys: the config.json alone is digested)."""
     overrides = getattr(mc, "hf_overrides", None)
+    if overrides is not None and build_code is not None and build_code(overrides):
+        overrides = None
     if overrides is not None and not isinstance(overrides, Mapping):
         return None
     path = engine_config_json(mc)
