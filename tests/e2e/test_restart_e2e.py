@@ -29,6 +29,7 @@ import pytest
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.identity import load_pins, merge_sources
+from kvpersist.identity.fields import NO_DRAFT
 from kvpersist.identity.records import list_records
 from kvpersist.identity.sources import build_identity, from_model_folder
 from kvpersist.l2.layout import sanitize_model_name
@@ -45,6 +46,7 @@ def expected_namespace(model_dir: Path, pins_path: Path, **live: object) -> str:
     fields.update(live)
     fields["connector"] = "LMCacheMPConnector"
     fields["build"] = build_identity()
+    fields["draft_sha256"] = NO_DRAFT  # the engine's own field: no speculative decoding here
     res = merge_sources(load_pins(pins_path), fields)
     assert res.enabled, res.problems
     assert res.identity is not None
