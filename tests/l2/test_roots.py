@@ -159,9 +159,9 @@ def test_a_restore_ranks_each_key_once(tmp_path: Path, monkeypatch: pytest.Monke
     ranked: Counter[KeyFields] = Counter()
     real_rank = roots_module.rank
 
-    def counting_rank(key: KeyFields, names: Any) -> list[int]:
+    def counting_rank(key: KeyFields, roots: Any) -> list[int]:
         ranked[key] += 1
-        return real_rank(key, names)
+        return real_rank(key, roots)
 
     monkeypatch.setattr(roots_module, "rank", counting_rank)
     rs = root_set(roots, Ledger())  # after a restart: no key ranked yet

@@ -91,10 +91,6 @@ class _Root:
 RANK_CACHE_KEYS = 16384
 
 
-def _rank_of(key: KeyFields, roots: tuple[str, ...]) -> list[int]:
-    return rank(key, roots)
-
-
 class RootSet:
     """The tier's roots (see module invariants).  ``capacities[i]`` is root ``i``'s share of
     the budget; ``paths[0]`` is the primary root (it keeps the register of root ids)."""
@@ -113,7 +109,7 @@ class RootSet:
         #: asks for the same keys three times (lookup, the load's dispatch, the read) and the
         #: rendezvous hash costs a few microseconds per key and root.
         self._rank: Callable[[KeyFields], list[int]] = functools.lru_cache(
-            maxsize=RANK_CACHE_KEYS)(functools.partial(_rank_of, roots=tuple(names)))
+            maxsize=RANK_CACHE_KEYS)(functools.partial(rank, roots=tuple(names)))
         self._factory = factory
         self._on_added = on_added
         self._on_removed = on_removed
