@@ -19,17 +19,34 @@ lookup (the scheduler's wait: it includes loading the first L1 window from L2); 
 (kvpersist's adapter: read and verify, all windows); the suffix's compute (the same prompt sent
 again, its prefix now in vLLM's own cache); the rest (L1 to the engine, scheduling); the raw
 cold read of the same files; and each per chunk, which stays flat if nothing is quadratic.
+
+With ``--devices 1,4`` (root; several drives, #50) the tier is N roots, each on its own ext4
+loop device (an image on tmpfs) limited to ``--mb-s`` of reads on its own, all in one blkio
+cgroup with the server, as from N drives (``testing.slow_disk.slow_disks``, as
+``bench_roots.py`` does).  For each N the prompt is written afresh (writes unthrottled: they are
+not what is measured) and every length restored; the raw cold read is then the faster of a
+``cat`` per device at once and 8 O_DIRECT ``dd`` at a time over the same files, from inside the
+cgroup.  The last table sets each N's TTFT beside the one-device TTFT of the same length.
+
+    sudo .venv/bin/python benchmarks/bench_million.py --lengths 1048576 --devices 1,4 \
+        --mb-s 50 --json OUT --plot OUT.png
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from bench_restore import admit_server, raw_direct_read
+from bench_roots import raw_parallel_cat
 
 from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, metric_sum
@@ -52,8 +69,8 @@ from kvpersist.testing.kv_writer import (
     namespace_record,
     seeded_fill,
 )
-from kvpersist.testing.plot import line_plot
-from kvpersist.testing.slow_disk import drop_caches
+from kvpersist.testing.plot import bar_plot, line_plot
+from kvpersist.testing.slow_disk import SlowDisk, drop_caches, slow_disks, unavailable
 
 GEOMETRIES = {
     # 8 layers x 2 KV heads x 32, float32: 4 KiB of KV per token, 4 GiB at 1M tokens.
@@ -90,16 +107,49 @@ def raw_cold_read(files: list[Path]) -> float:
     return time.monotonic() - began
 
 
-def files_by_hash(root: Path) -> dict[bytes, Path]:
-    """Chunk hash -> its L2 file, from the names alone (no file is read)."""
-    return {parse_name(path.name).chunk_hash: path for path in root.glob("*.kvp")}
+def raw_parallel_cold_read(disks: list[SlowDisk], files: list[Path]) -> float:
+    """Seconds of the faster cold read of ``files`` from inside the devices' cgroup: a ``cat``
+    per device at once, or 8 O_DIRECT ``dd`` at a time (page cache dropped before each)."""
+    by_device: dict[Path, list[Path]] = {d.mount: [] for d in disks}
+    for path in files:
+        by_device[next(m for m in by_device if path.is_relative_to(m))].append(path)
+    drop_caches()
+    cat_s = raw_parallel_cat(disks, by_device)
+    drop_caches()
+    return min(cat_s, raw_direct_read(files, disks[0]))
+
+
+def files_by_hash(roots: tuple[Path, ...]) -> dict[bytes, Path]:
+    """Chunk hash -> its L2 file under any of ``roots``, from the names alone (no file is
+    read)."""
+    return {parse_name(path.name).chunk_hash: path
+            for root in roots for path in root.glob("*.kvp")}
+
+
+@contextlib.contextmanager
+def tier_on(work: Path, env: dict[str, str], devices: int,
+            mb_s: float) -> Iterator[tuple[dict[str, str], list[SlowDisk]]]:
+    """``env`` with its L2 tier moved onto ``devices`` fresh throttled devices (no devices: as
+    it is), and those devices; undone on exit.  Each device holds its root's share of the
+    budget and some slack (the images are sparse: only what is written takes memory)."""
+    if not devices:
+        yield env, []
+        return
+    size_mb = int(float(env["KVP_CACHE_BUDGET_GB"]) * 1024 / devices) + 512
+    with slow_disks(work / f"devices-{devices}", devices, size_mb=size_mb,
+                    read_bytes_per_s=int(mb_s * 2**20)) as disks:
+        roots = [disk.mount / "kv" for disk in disks]
+        for root in roots:
+            root.mkdir(mode=0o700)
+        yield ({**env, "KVP_CACHE_ROOT": str(roots[0]),
+                "KVP_CACHE_EXTRA_ROOTS": ":".join(map(str, roots[1:]))}, disks)
 
 
 def write_prompt(settings: Any, layout: EngineLayout, ids: list[int], l1_chunks: int) -> float:
     """Write every full chunk of ``ids`` in STOREs of a quarter of L1 at most, never more than
     half an L1 ahead of L2 (LMCache drops without an error what a full L1 cannot reserve).
     Seconds until the last chunk is on L2."""
-    pacer = L2Pacer(settings.cache_root, l1_chunks // 2)
+    pacer = L2Pacer(settings.l2_roots, l1_chunks // 2)
     began = time.monotonic()
     per_store = max(1, min(32, l1_chunks // 4))
     with KvWriter(settings.request_url, layout, chunks_per_store=per_store) as writer:
@@ -108,18 +158,58 @@ def write_prompt(settings: Any, layout: EngineLayout, ids: list[int], l1_chunks:
     return time.monotonic() - began
 
 
+def write_tier(args: argparse.Namespace, work: Path, model: Path, pins: Path,
+               env: dict[str, str], ids: list[int], tag: str) -> float:
+    """vLLM started once with the serving recipe (it records the namespace the writer keys
+    by), then every full chunk of ``ids`` written to L2: seconds of the write."""
+    settings = load_settings(server_settings_in(env))
+    start_server(settings)
+    try:
+        vllm = VllmProcess(model, pins, work / f"vllm-record{tag and '-' + tag}.log", env,
+                           max_model_len=args.max_len, compile=True)
+        try:
+            vllm.start(timeout=1800)
+            complete(vllm.base_url, ids[:64])
+        finally:
+            vllm.kill()
+        layout = EngineLayout.from_record(namespace_record(settings.cache_root))
+        l1_chunks = int(args.l1_gb * 2**30 // layout.chunk_bytes)
+        write_s = write_prompt(settings, layout, ids, l1_chunks)
+    finally:
+        stop_server(settings)
+    where = f" over {len(settings.l2_roots)} roots" if tag else ""
+    print(f"wrote {len(ids) // CHUNK_TOKENS} chunks{where} in {write_s:.1f} s", flush=True)
+    return write_s
+
+
+def device_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per length and device count (variants left out): TTFT beside the one-device TTFT of
+    the same length (``x_one``: the one-device TTFT over this one; N would be perfect
+    scaling) and the restore's time over the raw parallel cold read of the same files."""
+    base = [r for r in rows if not r["server_settings"] and r["devices"]]
+    one = {r["tokens"]: r for r in base if r["devices"] == 1}
+    return [{"devices": r["devices"], "tokens": r["tokens"], "ttft_s": r["ttft_s"],
+             "x_one": round(one[r["tokens"]]["ttft_s"] / r["ttft_s"], 2)
+             if r["tokens"] in one else None,
+             "restore_over_raw": r["restore_over_raw"]} for r in base]
+
+
 def restore(args: argparse.Namespace, work: Path, model: Path, pins: Path, env: dict[str, str],
-            ids: list[int], length: int) -> dict[str, Any]:
+            ids: list[int], length: int, disks: list[SlowDisk]) -> dict[str, Any]:
     """Both processes restarted, page cache dropped: the prompt of ``length`` full-chunk tokens
-    plus :data:`SUFFIX`, restored and timed, beside a raw cold read of the same files."""
+    plus :data:`SUFFIX`, restored and timed, beside a raw cold read of the same files (in
+    parallel over ``disks`` when the tier is on throttled devices, the server admitted to
+    their cgroup)."""
     from lmcache.v1.multiprocess.token_hasher import TokenHasher
 
     settings = load_settings(server_settings_in(env))
     hashes = TokenHasher(CHUNK_TOKENS, "blake3").compute_chunk_hashes(ids[:length])
-    by_hash = files_by_hash(settings.cache_root)
+    by_hash = files_by_hash(settings.l2_roots)
     files = [by_hash[h] for h in hashes]
-    raw_s = raw_cold_read(files)
+    raw_s = raw_parallel_cold_read(disks, files) if disks else raw_cold_read(files)
     start_server(settings)
+    if disks:
+        admit_server(settings, disks[0])
     vllm = VllmProcess(model, pins, work / f"vllm-{length}-{len(args.done)}.log", env,
                        max_model_len=args.max_len, compile=True)
     try:
@@ -137,7 +227,7 @@ def restore(args: argparse.Namespace, work: Path, model: Path, pins: Path, env: 
     lookup = metric_sum(after, LOOKUP) - metric_sum(before, LOOKUP)
     l2_read = status_after["load_seconds"] - status_before["load_seconds"]
     ttft, suffix = warm["seconds"], again["seconds"]
-    row = {"tokens": length + SUFFIX, "chunks": chunks,
+    row = {"tokens": length + SUFFIX, "chunks": chunks, "devices": len(disks),
            "server_settings": {k: v for k, v in env.items() if k in args.varied},
            "kv_gib": round(chunks * CHUNK_TOKENS * args.geometry.kv_bytes_per_token / 2**30, 3),
            "cached_tokens": warm["cached_tokens"], "full_chunk_tokens": chunks * CHUNK_TOKENS,
@@ -166,9 +256,17 @@ def main() -> int:
                         type=setting_overrides, metavar="KEY=VALUE[,KEY=VALUE]",
                         help="after the lengths, restore the longest again with these server "
                         "settings (repeatable): variants side by side on one written prompt")
+    parser.add_argument("--devices", default="",
+                        help="comma-separated device counts (e.g. 1,4; needs root): the tier "
+                        "on that many throttled loop devices, one root each, every length "
+                        "restored per count; default: one root on the work directory's disk")
+    parser.add_argument("--mb-s", type=float, default=50.0,
+                        help="with --devices: each device's read limit in MiB/s (default 50: "
+                        "four stay well under this machine's unthrottled restore rate)")
     parser.add_argument("--work", help="work directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write the rows here")
-    parser.add_argument("--plot", type=Path, help="write TTFT against length here (PNG)")
+    parser.add_argument("--plot", type=Path, help="write TTFT against length here (PNG); "
+                        "with --devices, the longest length's TTFT breakdown per device count")
     args = parser.parse_args()
     lengths = sorted(int(x) for x in args.lengths.split(","))
     args.geometry = GEOMETRIES[args.geometry]
@@ -186,49 +284,64 @@ def main() -> int:
     # vLLM's KV space: the longest prompt's KV and a tenth more (its own blocks' overhead).
     env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.max_len * args.geometry.kv_bytes_per_token
                                             * 1.1 / 2**30) + 1)
-    settings = load_settings(server_settings_in(env))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     ids = [rng.randrange(16, vocab) for _ in range(lengths[-1] + SUFFIX)]
 
-    # vLLM once with the serving recipe: it records the namespace the writer keys by.
-    start_server(settings)
-    try:
-        vllm = VllmProcess(model, pins, work / "vllm-record.log", env,
-                           max_model_len=args.max_len, compile=True)
-        try:
-            vllm.start(timeout=1800)
-            complete(vllm.base_url, ids[:64])
-        finally:
-            vllm.kill()
-        layout = EngineLayout.from_record(namespace_record(settings.cache_root))
-        l1_chunks = int(args.l1_gb * 2**30 // layout.chunk_bytes)
-        write_s = write_prompt(settings, layout, ids[:lengths[-1]], l1_chunks)
-    finally:
-        stop_server(settings)
-    print(f"wrote {lengths[-1] // CHUNK_TOKENS} chunks "
-          f"({kv_gib:.2f} GiB) in {write_s:.1f} s", flush=True)
-
+    counts = [int(c) for c in args.devices.split(",")] if args.devices else [0]
+    if args.devices and (why := unavailable()) is not None:
+        print(f"bench_million: cannot make throttled devices here: {why}", file=sys.stderr)
+        return 2
     variants: list[dict[str, str]] = args.also_restore_longest_with
     args.varied = {k for v in variants for k in v}
     args.done = []
-    rows = [restore(args, work, model, pins, env, ids, n) for n in lengths]
-    rows += [restore(args, work, model, pins, {**env, **v}, ids, lengths[-1]) for v in variants]
-    print(f"\n{'tokens':>9} {'KV GiB':>7} {'TTFT s':>7} {'lookup':>7} {'L2 read':>8} "
+    rows: list[dict[str, Any]] = []
+    write_s: dict[int, float] = {}
+    for count in counts:
+        with tier_on(work, env, count, args.mb_s) as (tier_env, disks):
+            write_s[count] = write_tier(args, work, model, pins, tier_env, ids[:lengths[-1]],
+                                        f"{count}-devices" if count else "")
+            rows += [restore(args, work, model, pins, tier_env, ids, n, disks) for n in lengths]
+            rows += [restore(args, work, model, pins, {**tier_env, **v}, ids, lengths[-1], disks)
+                     for v in variants]
+    print(f"\n{'devices':>7} {'tokens':>9} {'KV GiB':>7} {'TTFT s':>7} {'lookup':>7} {'L2 read':>8} "
           f"{'suffix':>7} {'rest':>6} {'raw read':>9} {'x raw':>6} {'ms/chunk':>9} {'cached':>9}")
     for r in rows:
         if r["server_settings"]:
             print(f"  with {r['server_settings']}:")
-        print(f"{r['tokens']:>9} {r['kv_gib']:>7} {r['ttft_s']:>7} {r['lookup_s']:>7} "
-              f"{r['l2_read_s']:>8} {r['suffix_s']:>7} {r['rest_s']:>6} "
+        print(f"{r['devices'] or '-':>7} {r['tokens']:>9} {r['kv_gib']:>7} {r['ttft_s']:>7} "
+              f"{r['lookup_s']:>7} {r['l2_read_s']:>8} {r['suffix_s']:>7} {r['rest_s']:>6} "
               f"{r['raw_cold_read_s']:>9} {r['restore_over_raw']!s:>6} "
               f"{r['ms_per_chunk']['ttft_s']:>9} {r['cached_tokens']:>9}")
+    comparison = device_comparison(rows) if args.devices else []
+    if comparison:
+        print(f"\neach device {args.mb_s:g} MiB/s of reads; x one: the one-device TTFT of the "
+              "same length over this TTFT (N is perfect scaling); x raw: (TTFT - suffix) over "
+              "the raw parallel cold read of the same files")
+        for c in comparison:
+            print(f"{c['devices']:>2} devices, {c['tokens']:>9} tokens: TTFT {c['ttft_s']} s, "
+                  f"x one {c['x_one']}, x raw {c['restore_over_raw']}")
     result = {"geometry": args.geometry._asdict(),
               "kv_bytes_per_token": args.geometry.kv_bytes_per_token,
-              "l1_gb": args.l1_gb, "write_s": round(write_s, 1), "rows": rows}
+              "l1_gb": args.l1_gb,
+              "write_s": round(write_s[0], 1) if counts == [0]
+              else {str(n): round(t, 1) for n, t in write_s.items()},
+              "rows": rows}
+    if args.devices:
+        result |= {"mb_s_per_device": args.mb_s, "by_devices": comparison}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
+    if args.plot and args.devices:
+        longest = [r for r in rows if r["tokens"] == lengths[-1] + SUFFIX
+                   and not r["server_settings"]]
+        bar_plot(args.plot, f"{lengths[-1]:,} tokens restored through vLLM (CPU) from N "
+                 f"devices of {args.mb_s:g} MiB/s, L1 {args.l1_gb:g} GiB",
+                 "seconds", {f"{r['devices']} device{'s' * (r['devices'] > 1)}": {
+                     "TTFT": r["ttft_s"], "raw parallel cold read": r["raw_cold_read_s"],
+                     "lookup (first L1 window)": r["lookup_s"],
+                     "suffix compute": r["suffix_s"], "rest": r["rest_s"]}
+                     for r in longest})
+    elif args.plot:
         base = rows[:len(lengths)]
         kib = args.geometry.kv_bytes_per_token // 1024
         line_plot(args.plot, f"Restore from L2 through vLLM (CPU), {kib} KiB KV/token, "

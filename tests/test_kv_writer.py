@@ -85,3 +85,17 @@ def test_the_pacer_waits_for_l2_and_reports_drops(tmp_path: Path) -> None:
     pacer(5)  # 3 files, 5 written, 2 allowed behind: no wait
     with pytest.raises(WriterError, match="L2 holds 3 of 4 chunks"):
         pacer(6)
+
+
+def test_the_pacer_counts_the_chunks_of_every_root(tmp_path: Path) -> None:
+    roots = [tmp_path / "a", tmp_path / "b"]
+    for root, count in zip(roots, (2, 3), strict=True):
+        root.mkdir()
+        for i in range(count):
+            (root / f"{i}.kvp").write_bytes(b"")
+    (roots[0] / "note.txt").write_bytes(b"")  # not a chunk
+    pacer = L2Pacer(roots, slack=0, stall_s=0.3)
+    assert pacer.on_disk() == 5
+    pacer(5)
+    with pytest.raises(WriterError, match="L2 holds 5 of 6 chunks"):
+        pacer(6)

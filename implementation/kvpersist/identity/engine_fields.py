@@ -227,7 +227,10 @@ ENGINE_FIELDS: dict[str, Decision] = {
     "cache_config.mamba_page_size_padded": Neutral(_DERIVED),
     "cache_config.skip_page_size_padded": Neutral(_DERIVED),
     "cache_config.mamba_block_size": ClosesGate(
-        "a recurrent-state (Mamba/linear-attention) model: its state is not keyed",
+        "a recurrent-state (Mamba/linear-attention) model: its state is not stored (LMCache "
+        "0.5.6 keeps it only in vLLM's align mode, where vLLM frees state blocks while the "
+        "request runs, outside the store fence; on a CPU engine it sizes each state object "
+        "as a whole chunk and writes one block of it)",
         safe=(None,),
     ),
     "cache_config.mamba_cache_dtype": Neutral(_MAMBA_ONLY),

@@ -260,15 +260,18 @@ class KvWriter:
 
 class L2Pacer:
     """``between_stores`` for a writer that must not outrun L2: after each STORE, wait until
-    the ``.kvp`` files under ``root`` are within ``slack`` chunks of what was written.  A count
-    that stops growing for ``stall_s`` while behind means chunks were dropped (L1 too small
-    for the STOREs): :class:`WriterError`."""
+    the ``.kvp`` files under ``roots`` (one root, or every root of a tier of several) are within
+    ``slack`` chunks of what was written.  A count that stops growing for ``stall_s`` while
+    behind means chunks were dropped (L1 too small for the STOREs): :class:`WriterError`."""
 
-    def __init__(self, root: str | Path, slack: int, *, stall_s: float = 120.0) -> None:
-        self.root, self.slack, self.stall_s = Path(root), slack, stall_s
+    def __init__(self, roots: str | Path | Sequence[str | Path], slack: int, *,
+                 stall_s: float = 120.0) -> None:
+        many = roots if isinstance(roots, Sequence) and not isinstance(roots, str) else [roots]
+        self.roots = [Path(r) for r in many]
+        self.slack, self.stall_s = slack, stall_s
 
     def on_disk(self) -> int:
-        return sum(1 for p in self.root.iterdir() if p.suffix == ".kvp")
+        return sum(1 for root in self.roots for p in root.iterdir() if p.suffix == ".kvp")
 
     def wait_for(self, count: int) -> None:
         """Until at least ``count`` files exist."""
