@@ -42,6 +42,8 @@ from kvpersist.testing.lora import build_random_lora
 from kvpersist.testing.plot import line_plot
 from kvpersist.testing.traffic.run import ACTIONS, StackSpec, TrafficPlan, run_traffic, trends
 from kvpersist.testing.traffic.shape import TrafficShape
+from kvpersist.testing.traffic.summary import around_events
+from kvpersist.testing.traffic.users import RequestRecord
 
 MIB = 1 << 20
 DEFAULT_EVENTS = "0.2:restart-server,0.35:cleanup,0.5:quota,0.65:scrub,0.8:restart-vllm"
@@ -100,6 +102,15 @@ def print_summary(res: dict[str, Any]) -> None:
     for event in res["events"]:
         print(f"  {event['t_s']:>8.1f}s {event['action']:<15} {event['seconds']:>6.1f}s "
               f"{event.get('error') or event.get('result')}")
+    around = res.get("around_events")
+    if around is None:  # a result saved before the figure existed: computed from its records
+        records = [RequestRecord(**r) for r in res.get("records", [])]
+        around = around_events(records, res["events"], span_s=res["hit_rate"]["window_s"])
+    print("hit rate in the window before each action and after it ended:")
+    for a in around:
+        print(f"  {a['action']:<15} {fmt(a['before']['hit_rate'], 100, '%'):>7} "
+              f"(n={a['before']['requests']}) -> {fmt(a['after']['hit_rate'], 100, '%'):>7} "
+              f"(n={a['after']['requests']}) over {a['span_s']:.0f} s each")
 
 
 def plot(res: dict[str, Any], prefix: str) -> list[Path]:

@@ -21,6 +21,7 @@ from kvpersist.testing.traffic.ideal_lru import Access, replay_lru
 from kvpersist.testing.traffic.run import compare_answers, pick_sample
 from kvpersist.testing.traffic.shape import Population, TrafficShape, pareto_length
 from kvpersist.testing.traffic.summary import (
+    around_events,
     hit_rates,
     inter_token_latency,
     percentile,
@@ -116,6 +117,19 @@ def test_hit_rates_are_windowed_and_failures_left_out() -> None:
     assert out["windows"][0]["measured"] == pytest.approx(0.5)
     assert out["windows"][0]["lru"] == pytest.approx(0.5)
     assert out["windows"][1]["lru"] == pytest.approx(512 / 768)
+
+
+def test_the_hit_rate_around_an_action_leaves_out_its_own_time_and_failures() -> None:
+    records = [record(0, 5.0, 1000, 800), record(1, 9.0, 1000, 600),
+               record(2, 12.0, 1000, 1000),  # during the action (10-15 s): in neither side
+               record(3, 16.0, 1000, 200), record(4, 18.0, 500, 0, error="boom"),
+               record(5, 40.0, 1000, 1000)]  # past the span after it
+    out = around_events(records, [{"t_s": 10.0, "action": "cleanup", "seconds": 5.0},
+                                  {"t_s": 100.0, "action": "scrub", "seconds": 1.0}],
+                        span_s=10.0)
+    assert out[0]["before"] == {"requests": 2, "hit_rate": pytest.approx(0.7)}
+    assert out[0]["after"] == {"requests": 1, "hit_rate": pytest.approx(0.2)}
+    assert out[1]["before"] == {"requests": 0, "hit_rate": None}
 
 
 def test_ttft_tables_split_hits_from_misses_by_length() -> None:

@@ -74,6 +74,31 @@ def hit_rates(records: Sequence[RequestRecord], *, window_s: float, chunk_bytes:
     }
 
 
+def around_events(records: Sequence[RequestRecord], events: Sequence[dict[str, Any]], *,
+                  span_s: float = 300.0) -> list[dict[str, Any]]:
+    """The measured hit rate (cached over prompt tokens) of the requests sent in the
+    ``span_s`` before each event (``t_s``, ``action``, ``seconds``) began and in the ``span_s``
+    after it ended: what an operator's action (a cleanup, a quota, a restart) changed.  Each
+    side's figure is ``None`` when no request was answered there; the trend of the run itself
+    (conversations outgrowing the budget) is in both sides, so a difference is only the
+    action's where the run's windows around it are flat."""
+    done = answered(records)
+
+    def rate(low: float, high: float) -> dict[str, Any]:
+        part = [r for r in done if low <= r.started_s < high]
+        prompt = sum(r.prompt_tokens for r in part)
+        return {"requests": len(part),
+                "hit_rate": sum(r.cached_tokens for r in part) / prompt if prompt else None}
+
+    out = []
+    for event in events:
+        began = float(event["t_s"])
+        ended = began + float(event.get("seconds") or 0.0)
+        out.append({"action": event["action"], "t_s": began, "span_s": span_s,
+                    "before": rate(began - span_s, began), "after": rate(ended, ended + span_s)})
+    return out
+
+
 def ttft_by_length(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
     """TTFT p50/p99 for hits and misses in each of :data:`LENGTH_BUCKETS`."""
     rows = []
