@@ -217,8 +217,9 @@ def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyR
                     if family.draft:
                         result.spec_accepted.append(metric_sum(metrics, ACCEPTED))
                         result.spec_drafted.append(metric_sum(metrics, DRAFTED))
-                except Exception as exc:
-                    result.problems.append(f"round {round_no}: {type(exc).__name__}: {exc}")
+                except Exception as exc:  # the log's tail says what ended the engine
+                    tail = "" if str(log) in str(exc) else f"; log {log}:\n{vllm.log_tail(12)}"
+                    result.problems.append(f"round {round_no}: {type(exc).__name__}: {exc}{tail}")
                     continue
                 finally:
                     vllm.stop()
