@@ -8,7 +8,13 @@ from pathlib import Path
 
 from kvpersist.demo.tiny_families import FAMILIES
 from kvpersist.serving.launcher.vllm_client import ChatResult
-from kvpersist.testing.family_matrix import FamilyResult, _judge_restored, as_text, write_results
+from kvpersist.testing.family_matrix import (
+    FamilyResult,
+    _judge_restored,
+    as_text,
+    round_problem,
+    write_results,
+)
 
 
 def test_a_partial_run_keeps_the_other_families_with_their_dates(tmp_path: Path) -> None:
@@ -84,3 +90,12 @@ def test_a_noisy_family_passes_bit_identical_too_and_nothing_else_widens() -> No
     assert not FamilyResult("gpt-oss-full", "cached-noisy", outcome="refused").passed
     assert not FamilyResult("llama", "cached", outcome="cached-noisy").passed
     assert not FamilyResult("llama", "cached-prefix", outcome="cached").passed
+
+
+def test_a_failed_round_reports_the_engine_log_once(tmp_path: Path) -> None:
+    log = tmp_path / "vllm-deepseek-v2-1.log"
+    tail = "[shutdown] EngineCore: trigger received signal=SIGTERM"
+    died = round_problem(1, RuntimeError("EngineDeadError"), log, tail)
+    assert died.startswith("round 1: RuntimeError: EngineDeadError") and tail in died
+    start = RuntimeError(f"vLLM exited with 1 during start; log {log}:\n{tail}")
+    assert round_problem(2, start, log, tail).count(tail) == 1

@@ -217,9 +217,8 @@ def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyR
                     if family.draft:
                         result.spec_accepted.append(metric_sum(metrics, ACCEPTED))
                         result.spec_drafted.append(metric_sum(metrics, DRAFTED))
-                except Exception as exc:  # the log's tail says what ended the engine
-                    tail = "" if str(log) in str(exc) else f"; log {log}:\n{vllm.log_tail(12)}"
-                    result.problems.append(f"round {round_no}: {type(exc).__name__}: {exc}{tail}")
+                except Exception as exc:
+                    result.problems.append(round_problem(round_no, exc, log, vllm.log_tail(12)))
                     continue
                 finally:
                     vllm.stop()
@@ -240,6 +239,14 @@ def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyR
         finally:
             stop_server(settings)
     return [results[f.name] for f in families]
+
+
+def round_problem(round_no: int, exc: Exception, log: Path, log_tail: str) -> str:
+    """A failed round as its report line: the error and, unless the error already quotes it
+    (a failed start does), the tail of vLLM's log, which says what ended the engine (a signal
+    it received, an error of its own)."""
+    line = f"round {round_no}: {type(exc).__name__}: {exc}"
+    return line if str(log) in str(exc) else f"{line}; log {log}:\n{log_tail}"
 
 
 def _judge_cold(family: Family, result: FamilyResult, answer: ChatResult, log: Path,
