@@ -92,7 +92,7 @@ def one_write(root: Path, args: argparse.Namespace, paced: bool,
     try:
         if admit is not None:
             admit(server_pid(settings))
-        pacer = L2Pacer(settings.cache_root, l1_chunks // 2)
+        pacer = L2Pacer(settings.l2_roots, l1_chunks // 2)
         began = time.monotonic()
         with sampled(settings) as l1_samples, \
                 KvWriter(settings.request_url, LAYOUT, chunks_per_store=PER_STORE) as writer:

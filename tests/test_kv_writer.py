@@ -81,7 +81,7 @@ def test_seeded_kv_depends_only_on_the_seed_and_the_chunk() -> None:
 def test_the_pacer_waits_for_l2_and_reports_drops(tmp_path: Path) -> None:
     for i in range(3):
         (tmp_path / f"{i}.kvp").write_bytes(b"")
-    pacer = L2Pacer(tmp_path, slack=2, stall_s=0.3)
+    pacer = L2Pacer([tmp_path], slack=2, stall_s=0.3)
     pacer(5)  # 3 files, 5 written, 2 allowed behind: no wait
     with pytest.raises(WriterError, match="L2 holds 3 of 4 chunks"):
         pacer(6)

@@ -260,14 +260,14 @@ class KvWriter:
 
 class L2Pacer:
     """``between_stores`` for a writer that must not outrun L2: after each STORE, wait until
-    the ``.kvp`` files under ``roots`` (one root, or every root of a tier of several) are within
-    ``slack`` chunks of what was written.  A count that stops growing for ``stall_s`` while
-    behind means chunks were dropped (L1 too small for the STOREs): :class:`WriterError`."""
+    the ``.kvp`` files under ``roots`` (every root of the tier, ``ServerSettings.l2_roots``)
+    are within ``slack`` chunks of what was written.  A count that stops growing for
+    ``stall_s`` while behind means chunks were dropped (L1 too small for the STOREs):
+    :class:`WriterError`."""
 
-    def __init__(self, roots: str | Path | Sequence[str | Path], slack: int, *,
+    def __init__(self, roots: Sequence[str | Path], slack: int, *,
                  stall_s: float = 120.0) -> None:
-        many = roots if isinstance(roots, Sequence) and not isinstance(roots, str) else [roots]
-        self.roots = [Path(r) for r in many]
+        self.roots = [Path(r) for r in roots]
         self.slack, self.stall_s = slack, stall_s
 
     def on_disk(self) -> int:
