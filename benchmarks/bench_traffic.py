@@ -102,12 +102,9 @@ def print_summary(res: dict[str, Any]) -> None:
     for event in res["events"]:
         print(f"  {event['t_s']:>8.1f}s {event['action']:<15} {event['seconds']:>6.1f}s "
               f"{event.get('error') or event.get('result')}")
-    around = res.get("around_events")
-    if around is None:  # a result saved before the figure existed: computed from its records
-        records = [RequestRecord(**r) for r in res.get("records", [])]
-        around = around_events(records, res["events"], span_s=res["hit_rate"]["window_s"])
+    records = [RequestRecord(**r) for r in res.get("records", [])]  # a saved run's too
     print("hit rate in the window before each action and after it ended:")
-    for a in around:
+    for a in around_events(records, res["events"], span_s=res["hit_rate"]["window_s"]):
         print(f"  {a['action']:<15} {fmt(a['before']['hit_rate'], 100, '%'):>7} "
               f"(n={a['before']['requests']}) -> {fmt(a['after']['hit_rate'], 100, '%'):>7} "
               f"(n={a['after']['requests']}) over {a['span_s']:.0f} s each")

@@ -42,7 +42,7 @@ from ...serving.shm_sweep import SEGMENT_NAME, SHM_DIR, python_segments
 from ..helpers import adapter_status, server_env, wait_for_l2_idle
 from .resources import shm_usage, tree_usage
 from .shape import TrafficShape
-from .summary import around_events, hit_rates, inter_token_latency, trend, ttft_by_length
+from .summary import hit_rates, inter_token_latency, trend, ttft_by_length
 from .users import RequestRecord, UserPool
 
 #: Operator actions a plan may schedule.
@@ -316,9 +316,6 @@ def run_traffic(spec: StackSpec, plan: TrafficPlan,
     results.update(_after_stop(stack, segments_before))
     results["events"], results["samples"] = events, samples
     results["records"] = [asdict(r) for r in users.records] if users is not None else []
-    if users is not None:
-        results["around_events"] = around_events(list(users.records), events,
-                                                 span_s=plan.window_s)
     return results
 
 
