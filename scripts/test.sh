@@ -31,13 +31,16 @@ run_pass() {  # a pass's failure fails the run; "no test selected" (5, e.g. -k) 
   "$py" -m pytest "$@" || s=$?
   if (( s != 0 && s != 5 )); then rc=$s; fi
 }
-shm_snapshot="$(mktemp)"
+shm_snapshot="$(mktemp)" mount_snapshot="$(mktemp)"
 "$py" -m kvpersist.testing.shm_leftovers snapshot "$shm_snapshot"
+"$py" -m kvpersist.testing.mount_leftovers snapshot "$mount_snapshot"
 echo "== pytest (shared machine: $workers workers)"
 run_pass "${scope[@]}" -m "${select}not serial" "${parallel[@]}" --durations=15 "$@"
 echo "== pytest (serial: the machine to each test alone)"
 run_pass "${scope[@]}" -m "${select}serial" -p no:xdist --durations=10 "$@"
 echo "== shared memory left behind"
 "$py" -m kvpersist.testing.shm_leftovers check "$shm_snapshot" || rc=1
-rm -f "$shm_snapshot"
+echo "== mounts and loop devices left behind"
+"$py" -m kvpersist.testing.mount_leftovers check "$mount_snapshot" || rc=1
+rm -f "$shm_snapshot" "$mount_snapshot"
 exit "$rc"

@@ -17,6 +17,7 @@ from kvpersist.config.environment import apply_to_current_process
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.tiny_model import WIDE_KV, build_tiny_model
 from kvpersist.serving.server.lifecycle import stop_server
+from kvpersist.testing.failure_logs import summarize
 from kvpersist.testing.helpers import kvpersist_settings
 
 # LMCache's client runs inside the test process too (its bench client): telemetry off here as well.
@@ -76,6 +77,20 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report carries what the process logs under its ``tmp_path`` said
+    (:mod:`kvpersist.testing.failure_logs`): a CI run keeps nothing else of a failure that does
+    not repeat on demand."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and report.when == "call" and isinstance(tmp_path, Path):
+        logs = summarize(tmp_path)
+        if logs:
+            report.sections.append(("process logs under tmp_path", logs))
 
 
 def _weight(item: pytest.Item) -> int:

@@ -25,14 +25,18 @@ Invariants
   entry point :mod:`kvpersist.testing.fault_server`, which is not in the wheel.
 * A socket path that exists is replaced only when it is a socket (a stale one of a dead server;
   the launcher has already proven no server runs); a symlink or any other file is refused.
+* ``SIGUSR1`` writes every thread's Python stack to stderr (the server log) and the server goes
+  on (:mod:`faulthandler`, registered before LMCache starts a thread).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
+import signal
 import socket
 import stat
 import sys
@@ -171,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.request_socket is None) != (args.http_socket is None):
         parser.error("--request-socket and --http-socket go together")
     os.umask(0o077)
+    # `kill -USR1 <pid>`: every thread's stack to stderr (the server log), the server goes on
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     for line in pins.check_versions():  # the pins decide what is installed; this is a note
         print(f"kvpersist: {line}", file=sys.stderr, flush=True)
     try:
