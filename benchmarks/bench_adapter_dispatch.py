@@ -57,10 +57,10 @@ def one_round(way: str, chunks: int, roots: int, chunk_bytes: int) -> dict[str, 
     first_read: list[float] = []
     real_read = KvFileStore.read_into
 
-    def timed_read(self: KvFileStore, key: Any, buf: Any) -> bool:
+    def timed_read(self: KvFileStore, key: Any, buf: Any, lease: Any = None) -> bool:
         if not first_read:
             first_read.append(time.perf_counter())
-        return real_read(self, key, buf)
+        return real_read(self, key, buf, lease)
 
     try:
         assert adapter.store.wait_scan(60)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 Chunk = bytes | bytearray | memoryview
@@ -30,11 +30,13 @@ def temp_name(path: Path, tmp_mark: str = TMP_MARK) -> Path:
 
 
 def write_atomic(path: str | Path, data: Chunk | Iterable[Chunk], *, mode: int = 0o600,
-                 fsync: bool = False, tmp_mark: str = TMP_MARK) -> None:
+                 fsync: bool = False, tmp_mark: str = TMP_MARK,
+                 before_rename: Callable[[], None] | None = None) -> None:
     """Publish ``data`` (bytes, or an iterable of byte chunks) at ``path`` atomically.
 
     ``fsync``: flush the file to stable storage before the rename (the rename itself is not
-    fsynced: a crash may lose the new file, never expose a partial one).
+    fsynced: a crash may lose the new file, never expose a partial one).  ``before_rename``:
+    called once every byte is written; what it raises leaves no file and propagates.
     """
     target = Path(path)
     tmp = temp_name(target, tmp_mark)
@@ -48,6 +50,8 @@ def write_atomic(path: str | Path, data: Chunk | Iterable[Chunk], *, mode: int =
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if before_rename is not None:
+            before_rename()
         os.rename(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -3,7 +3,6 @@ reads its files in parallel and sets a key's bit only for a verified file."""
 
 from __future__ import annotations
 
-import select
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from kvpersist.l2.adapter import KvPersistL2Adapter, KvPersistL2AdapterConfig, t
 from kvpersist.l2.store import KvFileStore
 from kvpersist.testing.corruption import corrupt_file
 from kvpersist.testing.helpers import key_of, wait_until
+from kvpersist.testing.helpers import wait_for_task as wait_for
 
 CHUNK = 64 * 1024
 
@@ -31,14 +31,6 @@ def payload(i: int) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(CHUNK))
 
 
-def wait_for(efd: int, query: Any, tid: int, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        select.select([efd], [], [], 0.2)
-        result = query(tid)
-        if result is not None:
-            return result
-    raise AssertionError(f"task {tid} did not complete")
 
 
 @pytest.fixture
@@ -63,14 +55,14 @@ def test_load_task_reads_in_parallel_and_verifies_each_file(adapter: Any,
     lock = threading.Lock()
     real_read = store.read_into
 
-    def counting_read(key: Any, buf: Any) -> bool:
+    def counting_read(key: Any, buf: Any, lease: Any = None) -> bool:
         nonlocal in_flight, most
         with lock:
             in_flight += 1
             most = max(most, in_flight)
         time.sleep(0.05)  # hold the slot so that concurrent reads overlap
         try:
-            return real_read(key, buf)
+            return real_read(key, buf, lease)
         finally:
             with lock:
                 in_flight -= 1
@@ -296,11 +288,11 @@ def test_a_hung_root_holds_only_its_own_file_threads(tmp_path: Path,
         hung = {keys[i] for i in on[1]}
         real_read = KvFileStore.read_into
 
-        def read_into(self: KvFileStore, key: Any, buf: Any) -> bool:
+        def read_into(self: KvFileStore, key: Any, buf: Any, lease: Any = None) -> bool:
             if key in hung and not release.is_set():
                 stuck.release()
                 release.wait(60)
-            return real_read(self, key, buf)
+            return real_read(self, key, buf, lease)
 
         monkeypatch.setattr(KvFileStore, "read_into", read_into)
         hung_chunks = [Chunk(bytearray(CHUNK)) for _ in on[1]]

@@ -15,6 +15,7 @@ import pytest
 from kvpersist.l2.adapter import KvPersistL2Adapter, KvPersistL2AdapterConfig
 from kvpersist.l2.format import HEADER_SIZE
 from kvpersist.l2.layout import KeyFields
+from kvpersist.l2.lease import Lease
 from kvpersist.l2.placement import place, rank
 from kvpersist.l2.root_health import RootRefused, RootRegister, claim, probe
 from kvpersist.l2.roots import DEGRADED, HEALTHY, RootSet, shares
@@ -231,11 +232,11 @@ class HangingStore(KvFileStore):
     release = threading.Event()
     stuck = threading.Event()
 
-    def read_into(self, key: KeyFields, buf: Any) -> bool:
+    def read_into(self, key: KeyFields, buf: Any, lease: Lease | None = None) -> bool:
         if key in self.hang:
             self.stuck.set()
             self.release.wait(60)
-        return super().read_into(key, buf)
+        return super().read_into(key, buf, lease)
 
 
 def test_a_hung_device_s_stuck_reads_block_nothing_and_its_keys_leave_when_they_return(

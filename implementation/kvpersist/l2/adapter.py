@@ -29,6 +29,10 @@ Invariants (the store's, see :mod:`kvpersist.l2.store`, plus):
 * Every submitted task completes and signals its event fd, even if an I/O call raises; only a
   file that never returns (a hung device) keeps its task, and the buffers it writes into, with
   it.
+* A task touches the L1 buffers LMCache gave it only within its lease (``store_lease_s``,
+  ``load_lease_s``, :mod:`kvpersist.l2.lease`): LMCache's locks on them are TTL locks, and a
+  store that read its object after the lock lapsed could publish another chunk's bytes under
+  its key.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from .announcer import Announcer
 from .file_pools import FilePools
 from .index import KeysCallback
 from .layout import KeyFields
+from .lease import LOAD_LEASE_S, STORE_LEASE_S, Lease
 from .roots import RootSet, shares
 from .store import KvFileStore
 
@@ -73,6 +78,7 @@ DELETE_ANNOUNCED_WAIT_S = 60.0
 
 _KNOWN_PARAMS = {"path", "max_capacity_gb", "sharded", "fsync", "io_threads", "file_threads",
                  "quarantine_max_files", "shared_tree", "shared_negative_ttl_s", "walker",
+                 "store_lease_s", "load_lease_s",
                  "walk_threads", "direct_io", "scan_snapshot", "extra_paths"}
 
 
@@ -84,8 +90,11 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                  quarantine_max_files: int = 1024, shared_tree: str | None = None,
                  shared_negative_ttl_s: float = 2.0, walker: str = "auto",
                  walk_threads: int = 0, direct_io: bool = True,
-                 scan_snapshot: bool = True, extra_paths: tuple[str, ...] = ()) -> None:
+                 scan_snapshot: bool = True, extra_paths: tuple[str, ...] = (),
+                 store_lease_s: float = STORE_LEASE_S, load_lease_s: float = LOAD_LEASE_S) -> None:
         self.path = path
+        self.store_lease_s = store_lease_s
+        self.load_lease_s = load_lease_s
         self.extra_paths = tuple(extra_paths)
         self.max_capacity_gb = max_capacity_gb
         self.sharded = sharded
@@ -142,6 +151,10 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
                 direct_io=values.boolean("direct_io", d.get("direct_io", True)),
                 scan_snapshot=values.boolean("scan_snapshot", d.get("scan_snapshot", True)),
                 extra_paths=tuple(extra),
+                store_lease_s=values.positive_float(
+                    "store_lease_s", d.get("store_lease_s", STORE_LEASE_S)),
+                load_lease_s=values.positive_float(
+                    "load_lease_s", d.get("load_lease_s", LOAD_LEASE_S)),
             )
         except SettingsError as exc:
             raise ValueError(f"kvpersist L2 adapter: {exc}") from None
@@ -178,7 +191,14 @@ class KvPersistL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- extra_paths (list of str): more roots, one per device; each key's file lives on\n"
             "  one root chosen by its key, each root holds an equal share of max_capacity_gb,\n"
             "  and a root whose device fails is given up alone (default none;\n"
-            "  KVP_CACHE_EXTRA_ROOTS)"
+            "  KVP_CACHE_EXTRA_ROOTS)\n"
+            "- store_lease_s (float): a store task's file is published only if its payload was\n"
+            "  read in full within this many seconds of the task's submission: LMCache's read\n"
+            "  lock on the L1 object lapses after --l1-read-ttl-seconds (300), and its memory\n"
+            "  may then hold another chunk; keep it below that (default 270)\n"
+            "- load_lease_s (float): a load task reads no file later than this after its\n"
+            "  submission (a miss instead): LMCache's write lock on the L1 buffer lapses after\n"
+            "  --l1-write-ttl-seconds (600); keep it below that (default 540)"
         )
 
 
@@ -278,18 +298,21 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- store
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self._new_id()
-        self._pool.submit(self._run_store, tid, list(keys), list(objects))
+        lease = Lease.starting_now(self._config.store_lease_s)  # LMCache locked them just now
+        self._pool.submit(self._run_store, tid, list(keys), list(objects), lease)
         return tid
 
-    def _run_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
-        """Every key's file is written on its root's file pool; the task finishes with the
-        last (:meth:`_store_done`)."""
+    def _run_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj],
+                   lease: Lease | None = None) -> None:
+        """Every key's file is written on its root's file pool, published only within the
+        task's ``lease`` (:mod:`kvpersist.l2.lease`); the task finishes with the last
+        (:meth:`_store_done`)."""
         try:
             calls = []
             for key, obj in zip(keys, objects, strict=True):
                 fields = to_fields(key)
                 calls.append((self._store.root_index(fields), functools.partial(
-                    self._store.put, fields, obj.byte_array, _layout_of(obj))))
+                    self._store.put, fields, obj.byte_array, _layout_of(obj), lease)))
             self._files.run_all(f"store task {tid}", calls,
                                 functools.partial(self._store_done, tid, objects))
         except Exception:
@@ -343,18 +366,21 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- load
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self._new_id()
-        self._pool.submit(self._run_load, tid, list(keys), list(objects))
+        lease = Lease.starting_now(self._config.load_lease_s)  # LMCache locked them just now
+        self._pool.submit(self._run_load, tid, list(keys), list(objects), lease)
         return tid
 
-    def _run_load(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
-        """Every key's file is read on its root's file pool, each verified as it arrives; the
-        task finishes with the last (:meth:`_load_done`)."""
+    def _run_load(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj],
+                  lease: Lease | None = None) -> None:
+        """Every key's file is read on its root's file pool within the task's ``lease``
+        (:mod:`kvpersist.l2.lease`), each verified as it arrives; the task finishes with the
+        last (:meth:`_load_done`)."""
         try:
             calls = []
             for key, obj in zip(keys, objects, strict=True):
                 fields = to_fields(key)
                 calls.append((self._store.root_index(fields), functools.partial(
-                    self._store.read_into, fields, obj.byte_array)))
+                    self._store.read_into, fields, obj.byte_array, lease)))
             self._files.run_all(f"load task {tid}", calls,
                                 functools.partial(self._load_done, tid, keys))
         except Exception:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ..atomic import temp_name
@@ -64,9 +65,12 @@ def _write_payload(fd: int, header: bytes, payload: memoryview, bounce: memoryvi
 
 
 def publish_direct(path: Path, header: bytes, payload: memoryview, bounce: memoryview, *,
-                   fsync: bool, mode: int = 0o600) -> None:
+                   fsync: bool, mode: int = 0o600,
+                   before_rename: Callable[[], None] | None = None) -> None:
     """Write ``header`` + ``payload`` to ``path`` atomically with ``O_DIRECT`` (see the
-    module invariants); ``bounce``: a page-aligned buffer of whole pages, at least one page."""
+    module invariants); ``bounce``: a page-aligned buffer of whole pages, at least one page.
+    ``before_rename``: called once every byte is written; what it raises leaves no file and
+    propagates."""
     if len(header) != HEADER_SIZE:
         raise ValueError(f"a header is {HEADER_SIZE} bytes, got {len(header)}")
     tmp = temp_name(path)
@@ -85,6 +89,8 @@ def publish_direct(path: Path, header: bytes, payload: memoryview, bounce: memor
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if before_rename is not None:
+            before_rename()
         os.rename(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):

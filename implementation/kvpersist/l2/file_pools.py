@@ -13,7 +13,9 @@ Invariants
   finish, with every file's result in submission order (None where the call raised, logged).
 * A task with a file that never returns never finishes, and keeps the buffers its calls write
   into: giving a read up while it may still write into LMCache's memory object could corrupt
-  whatever that buffer holds next.
+  whatever that buffer holds next.  LMCache holds them for it only until its lock's TTL
+  lapses; the adapter's calls check their lease (:mod:`kvpersist.l2.lease`) before they
+  touch a buffer, which covers every call but one already in the kernel at that moment.
 """
 
 from __future__ import annotations

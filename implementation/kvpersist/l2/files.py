@@ -25,6 +25,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +44,19 @@ _QUARANTINED = re.compile(r"^(?P<name>.+\.kvp)\.(?P<reason>[a-z][a-z0-9-]*)\.(?P
 
 
 def publish(path: Path, key: KeyFields, payload: memoryview, layout: dict[str, Any] | None,
-            *, fsync: bool, direct: bool = False) -> None:
+            *, fsync: bool, direct: bool = False,
+            before_rename: Callable[[], None] | None = None) -> None:
     """Write header and payload of ``key`` to ``path`` atomically; OSError on failure (no file
     and no temp file is left then).  ``direct``: past the page cache
     (:mod:`kvpersist.l2.direct_write`; :class:`~kvpersist.l2.direct_write.DirectWriteRefused`
-    where the file system does not take it)."""
+    where the file system does not take it).  ``before_rename``: called after the payload's
+    last byte was read (hashed and written); what it raises leaves no file and propagates."""
     header = build_header(key, payload.nbytes, payload_digest(payload), layout)
     if direct:
-        publish_direct(path, header, payload, _bounce_buffer(), fsync=fsync)
+        publish_direct(path, header, payload, _bounce_buffer(), fsync=fsync,
+                       before_rename=before_rename)
     else:
-        write_atomic(path, (header, payload), fsync=fsync)
+        write_atomic(path, (header, payload), fsync=fsync, before_rename=before_rename)
 
 
 def read_verified(fd: int, key: KeyFields, out: memoryview,

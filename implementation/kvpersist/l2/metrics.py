@@ -27,7 +27,8 @@ _METRICS = ObservedMetrics(METER, "the store status", counters={
         "rejected_capacity": {"reason": "capacity"},
         "rejected_scanning": {"reason": "scanning"},
         "rejected_disk_full": {"reason": "disk_full"},
-        "store_errors": {"reason": "error"}})),
+        "store_errors": {"reason": "error"},
+        "store_lease_expired": {"reason": "lease_expired"}})),
     "kvpersist_l2.loads": ("Objects asked of L2, by result", fields({
         "load_hits": {"result": "hit"}, "load_misses": {"result": "miss"}})),
     "kvpersist_l2.loaded_bytes": ("Verified bytes loaded from L2 into L1",

@@ -45,6 +45,7 @@ from typing import Any
 
 from .index import KeysCallback
 from .layout import KeyFields
+from .lease import Lease
 from .placement import rank
 from .root_health import RootRefused, RootRegister, claim, probe
 from .store import KvFileStore
@@ -338,7 +339,8 @@ class RootSet:
                 return i, order[0]
         return order[0], order[0]
 
-    def put(self, key: KeyFields, payload: Any, layout: dict[str, Any] | None = None) -> str:
+    def put(self, key: KeyFields, payload: Any, layout: dict[str, Any] | None = None,
+            lease: Lease | None = None) -> str:
         """The store's outcome on the placed root, 'exists' when another root holds the key,
         'degraded' when the placed root is."""
         holder, placed = self._find(key)
@@ -347,15 +349,15 @@ class RootSet:
                 return "degraded"
             if holder != placed:
                 return "exists"
-            return store.put(key, payload, layout)
+            return store.put(key, payload, layout, lease)
 
-    def read_into(self, key: KeyFields, buf: Any) -> bool:
+    def read_into(self, key: KeyFields, buf: Any, lease: Lease | None = None) -> bool:
         with self._using(self._holder(key)) as store:
             if store is None:
                 return False
-            hit = store.read_into(key, buf)
-            if not hit and key in store.index:
-                self.suspect()
+            hit = store.read_into(key, buf, lease)
+            if not hit and key in store.index and (lease is None or not lease.expired()):
+                self.suspect()  # an indexed file missed: the device may be failing
             return hit
 
     def contains(self, key: KeyFields) -> bool:

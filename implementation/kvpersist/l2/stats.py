@@ -30,6 +30,9 @@ class StoreStats:
     rejected_scanning: int = 0
     rejected_disk_full: int = 0
     store_errors: int = 0
+    #: stores given up, unpublished, because LMCache's lock on their L1 object had lapsed or
+    #: would have before their payload was read in full (:mod:`kvpersist.l2.lease`)
+    store_lease_expired: int = 0
     #: reads that failed for another reason than the file's absence or its checks (EMFILE,
     #: EACCES, EIO, ...): misses that leave the index and the disk as they were
     read_errors: int = 0
@@ -38,6 +41,8 @@ class StoreStats:
     loads: int = 0
     load_hits: int = 0
     load_misses: int = 0
+    #: loads not read because LMCache's lock on their L1 buffer had lapsed (misses)
+    load_lease_expired: int = 0
     loaded_bytes: int = 0  # verified payload bytes handed to LMCache
     load_seconds: float = 0.0
     verify_seconds: float = 0.0

@@ -83,6 +83,7 @@ from .layout import (
     row_of,
     shard_path_parts,
 )
+from .lease import Lease, LeaseExpired
 from .lock import RootLockedError, take_root_lock
 from .scan import scan_root
 from .scanner import Scanner
@@ -280,8 +281,14 @@ class KvFileStore:
 
     # ------------------------------------------------------------------ store
 
-    def put(self, key: KeyFields, payload: Any, layout: dict[str, Any] | None = None) -> str:
-        """Publish ``payload`` for ``key``.  Returns 'stored', 'exists' or a rejection tag."""
+    def put(self, key: KeyFields, payload: Any, layout: dict[str, Any] | None = None,
+            lease: Lease | None = None) -> str:
+        """Publish ``payload`` for ``key``.  Returns 'stored', 'exists' or a rejection tag.
+        ``lease``: the payload may be read only while it holds; a file whose payload was not
+        read in full before it ended is not published ('lease-expired', :mod:`.lease`)."""
+        if lease is not None and lease.expired():
+            self.stats.add(store_lease_expired=1)
+            return "lease-expired"
         data = memoryview(payload).cast("B")
         size = HEADER_SIZE + data.nbytes
         if key not in self.index and self.shared is not None and self.shared.find(key):
@@ -292,7 +299,7 @@ class KvFileStore:
             self.stats.add(**{_REFUSAL_COUNTER[granted]: 1})
             return str(granted.value)
         try:
-            outcome = self._write(key, data, layout)
+            outcome = self._write(key, data, layout, lease)
         except BaseException:
             self.index.release(size)
             raise
@@ -304,17 +311,25 @@ class KvFileStore:
             self.index.release(size)
         return outcome
 
-    def _write(self, key: KeyFields, data: memoryview, layout: dict[str, Any] | None) -> str:
+    def _write(self, key: KeyFields, data: memoryview, layout: dict[str, Any] | None,
+               lease: Lease | None = None) -> str:
         final = self.path_for(key)
+        check = None if lease is None else lease.check
         try:
             if self.sharded:
                 final.parent.mkdir(parents=True, exist_ok=True)
             try:
-                publish(final, key, data, layout, fsync=self.fsync, direct=self.direct_writes)
+                publish(final, key, data, layout, fsync=self.fsync, direct=self.direct_writes,
+                        before_rename=check)
             except DirectWriteRefused as exc:
                 self._refuse_direct_writes(exc)
-                publish(final, key, data, layout, fsync=self.fsync)
+                publish(final, key, data, layout, fsync=self.fsync, before_rename=check)
             return "stored"
+        except LeaseExpired as exc:
+            self.stats.add(store_lease_expired=1)
+            logger.warning("kvpersist L2: store of %s given up, not published: %s", final.name,
+                           exc)
+            return "lease-expired"
         except OSError as exc:
             if exc.errno in DISK_FULL:
                 self.stats.add(rejected_disk_full=1)
@@ -326,10 +341,14 @@ class KvFileStore:
 
     # ------------------------------------------------------------------ load
 
-    def read_into(self, key: KeyFields, buf: Any) -> bool:
+    def read_into(self, key: KeyFields, buf: Any, lease: Lease | None = None) -> bool:
         """Fill ``buf`` with the verified payload of ``key``; False (a miss) otherwise.  A file
         of this node's that fails its check is quarantined (repair: the next store rewrites
-        it)."""
+        it).  ``lease``: ``buf`` may be written only while it holds; a read that would start
+        after it ended is a miss (:mod:`.lease`)."""
+        if lease is not None and lease.expired():
+            self.stats.add(loads=1, load_misses=1, load_lease_expired=1)
+            return False
         if (self.shared is not None and self.index.complete and key not in self.index):
             return self._read_elsewhere(key, buf)
         began = time.perf_counter()

@@ -7,6 +7,7 @@ import argparse
 import ctypes
 import hashlib
 import os
+import select
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -94,7 +95,8 @@ def adapter_status(settings: ServerSettings) -> dict[str, Any]:
 
 #: The kvpersist adapter's counters of answered stores: each put ends in exactly one of them.
 STORE_OUTCOMES = ("stores", "store_exists", "store_exists_elsewhere", "rejected_capacity",
-                  "rejected_scanning", "rejected_disk_full", "store_errors")
+                  "rejected_scanning", "rejected_disk_full", "store_errors",
+                  "store_lease_expired")
 
 
 def l2_store_answers(status: Mapping[str, Any]) -> int:
@@ -274,3 +276,16 @@ def cache_diagnosis(vllm_log: Path, server_log: Path, lines: int = 40) -> str:
     return (f"--- {vllm_log.name}: kvpersist lines, warnings, errors ---\n"
             f"{grep_tail(vllm_log, ('kvpersist: ', 'WARNING', 'ERROR', 'Traceback'))}\n"
             f"--- {server_log.name}: tail ---\n{grep_tail(server_log, ())}")
+
+
+def wait_for_task(efd: int, query: Callable[[int], Any], tid: int,
+                  timeout: float = 30.0) -> Any:
+    """An L2 adapter task's result: ``query(tid)`` each time its event fd ``efd`` fires (and
+    every 0.2 s), until it is not None; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        select.select([efd], [], [], 0.2)
+        result = query(tid)
+        if result is not None:
+            return result
+    raise AssertionError(f"task {tid} did not complete")
