@@ -6,7 +6,6 @@ reads nothing."""
 
 from __future__ import annotations
 
-import select
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,13 +89,9 @@ def test_a_store_task_past_its_lease_reads_nothing_and_reports_failure(
         assert a.store.wait_scan(10)
         time.sleep(0.01)
         tid = a.submit_store_task([to_object_key(key_of(5))], [Chunk(bytearray(CHUNK))])
-        deadline = time.monotonic() + 30
-        done: dict[Any, Any] = {}
-        while tid not in done:
-            assert time.monotonic() < deadline, "the store task never completed"
-            select.select([a.get_store_event_fd()], [], [], 0.2)
-            done.update(a.pop_completed_store_tasks())
-        assert not done[tid].is_successful()
+        result = wait_for_task(a.get_store_event_fd(),
+                               lambda t: a.pop_completed_store_tasks().get(t), tid)
+        assert not result.is_successful()
         assert not list((tmp_path / "root").glob("*.kvp"))
         assert a.report_status()["store_lease_expired"] == 1
     finally:

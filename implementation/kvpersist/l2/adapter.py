@@ -303,7 +303,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return tid
 
     def _run_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj],
-                   lease: Lease | None = None) -> None:
+                   lease: Lease) -> None:
         """Every key's file is written on its root's file pool, published only within the
         task's ``lease`` (:mod:`kvpersist.l2.lease`); the task finishes with the last
         (:meth:`_store_done`)."""
@@ -371,7 +371,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return tid
 
     def _run_load(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj],
-                  lease: Lease | None = None) -> None:
+                  lease: Lease) -> None:
         """Every key's file is read on its root's file pool within the task's ``lease``
         (:mod:`kvpersist.l2.lease`), each verified as it arrives; the task finishes with the
         last (:meth:`_load_done`)."""

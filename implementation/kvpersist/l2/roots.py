@@ -355,8 +355,11 @@ class RootSet:
         with self._using(self._holder(key)) as store:
             if store is None:
                 return False
+            # a lease that ended is judged before the read, so that a miss the device causes
+            # meanwhile still draws a probe
+            late = lease is not None and lease.expired()
             hit = store.read_into(key, buf, lease)
-            if not hit and key in store.index and (lease is None or not lease.expired()):
+            if not hit and not late and key in store.index:
                 self.suspect()  # an indexed file missed: the device may be failing
             return hit
 

@@ -312,7 +312,7 @@ class KvFileStore:
         return outcome
 
     def _write(self, key: KeyFields, data: memoryview, layout: dict[str, Any] | None,
-               lease: Lease | None = None) -> str:
+               lease: Lease | None) -> str:
         final = self.path_for(key)
         check = None if lease is None else lease.check
         try:
