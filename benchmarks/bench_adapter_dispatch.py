@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import select
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvpersist.l2 import roots as roots_module
 from kvpersist.l2.adapter import KvPersistL2Adapter, KvPersistL2AdapterConfig, to_object_key
 from kvpersist.l2.store import KvFileStore
-from kvpersist.testing.helpers import key_of
+from kvpersist.testing.helpers import key_of, wait_for_task
 
 WAYS = {"kept": roots_module.RANK_CACHE_KEYS, "recomputed": 0}
 
@@ -37,12 +35,6 @@ WAYS = {"kept": roots_module.RANK_CACHE_KEYS, "recomputed": 0}
 class _Chunk:
     def __init__(self, size: int) -> None:
         self.byte_array = bytearray(size)
-
-
-def _wait(fd: int, query: Callable[[int], Any], tid: int) -> Any:
-    while (result := query(tid)) is None:
-        select.select([fd], [], [], 0.05)
-    return result
 
 
 def one_round(way: str, chunks: int, roots: int, chunk_bytes: int) -> dict[str, float]:
@@ -75,13 +67,14 @@ def one_round(way: str, chunks: int, roots: int, chunk_bytes: int) -> dict[str, 
         KvFileStore.read_into = timed_read  # type: ignore[method-assign]
         t0 = time.perf_counter()
         tid = adapter.submit_lookup_and_lock_task(object_keys, {})
-        hits = _wait(adapter.get_lookup_and_lock_event_fd(),
-                     adapter.query_lookup_and_lock_result, tid)
+        hits = wait_for_task(adapter.get_lookup_and_lock_event_fd(),
+                             adapter.query_lookup_and_lock_result, tid, timeout=600)
         t1 = time.perf_counter()
         objects = [_Chunk(chunk_bytes) for _ in keys]
         t2 = time.perf_counter()
         tid = adapter.submit_load_task(object_keys, objects)
-        loaded = _wait(adapter.get_load_event_fd(), adapter.query_load_result, tid)
+        loaded = wait_for_task(adapter.get_load_event_fd(), adapter.query_load_result, tid,
+                               timeout=600)
         t3 = time.perf_counter()
         if not all(hits.test(i) and loaded.test(i) for i in range(chunks)):
             raise SystemExit(f"{way}: not every chunk was found and loaded")

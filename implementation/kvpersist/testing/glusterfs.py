@@ -40,7 +40,7 @@ COHERENT_MOUNT_OPTIONS = "entry-timeout=0,attribute-timeout=0,negative-timeout=0
 #: tensor-parallel vLLM workers, each pinned to one of the machine's two cores and
 #: busy-polling while a request waits for its cache lookup, left them no CPU for up to 61 s
 #: (a nice -20 canary in a session of autogroup nice 0 slept 61 s late at the same moments;
-#: a SCHED_FIFO one never did): the lookup of six files took 20-60 s and was given up.
+#: a SCHED_FIFO one never did): the lookup of six files took 19-61 s, and in a CI run over 60 s, given up.
 DAEMON_NICE = -10
 DAEMON_NAMES = ("glusterd", "glusterfsd", "glusterfs")
 _GLUSTERD_VOL = """volume management
