@@ -500,6 +500,44 @@ def test_a_draft_model_is_cached_in_a_namespace_of_its_own(
     assert isinstance(decision, Closed) and "draft_sha256" in decision.reason
 
 
+def test_an_mtp_layer_and_an_eagle_3_head_are_cached_in_namespaces_of_their_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EAGLE-3 head (three of the target's hidden states in) and DeepSeek-V3's own MTP layer
+    (the draft is the target's checkpoint, its layer past the last): each opens the gate under
+    a ``draft_sha256`` of its own, apart from the plain target's and from each other's.
+    (This test's name spells "eagle_3": vLLM takes a draft folder whose path holds "eagle3"
+    or "eagle-" for that method, and pytest's folder carries the name.)"""
+    import torch
+
+    from kvpersist.demo.tiny_drafts import build_draft
+    from kvpersist.demo.tiny_families import FAMILIES, build_family
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # MLA's kernel
+
+    def namespace(target: Path, pins: Path, speculative: dict[str, Any] | None) -> str:
+        cfg = engine_config(target, pins, block_size=64, speculative_config=speculative)
+        decision = decide(cfg, environ={}, probe=lambda _: True)
+        assert isinstance(decision, CacheOn), getattr(decision, "reason", decision)
+        return decision.identity.namespace
+
+    family = FAMILIES["llama-eagle3"]
+    llama = build_family(tmp_path / "models", family)
+    head = build_draft(tmp_path / "models", family)
+    llama_pins = pins_for_model(llama, tmp_path / "llama.env", block_size=64)
+    plain = namespace(llama, llama_pins, None)
+    eagle3 = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+    drafted = namespace(llama, llama_pins, eagle3)
+    assert drafted != plain
+    assert namespace(llama, llama_pins, {**eagle3, "num_speculative_tokens": 3}) not in (
+        plain, drafted)
+
+    deepseek = build_family(tmp_path / "models", FAMILIES["deepseek-v3-mtp"])
+    deepseek_pins = pins_for_model(deepseek, tmp_path / "deepseek.env", block_size=64)
+    without_mtp = namespace(deepseek, deepseek_pins, None)
+    with_mtp = namespace(deepseek, deepseek_pins, {"method": "mtp", "num_speculative_tokens": 1})
+    assert with_mtp not in (without_mtp, plain, drafted)
+
+
 def mla_engine(*, use_mla: bool = True, model_type: str = "deepseek_v2",
                backend: str | None = None) -> Any:
     from types import SimpleNamespace

@@ -75,9 +75,21 @@ class Family:
     def model_id(self) -> str:
         return f"kvpersist/tiny-{self.builds or self.name}"
 
+    @property
+    def speculative(self) -> bool:
+        """Whether the recipe decodes speculatively (a proposer, with or without a draft)."""
+        return "--speculative-config" in self.extra_args
+
 
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "decoder_sparse_step": 1, "norm_topk_prob": True}
+
+#: DeepSeek's multi-head latent attention (MLA) and its MoE around it, at the smallest sizes
+#: vLLM's CPU MLA kernel takes (latent 512 + rope 64)
+_MLA = {"num_hidden_layers": 3, "num_key_value_heads": HEADS, "head_dim": None,
+        "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "routed_scaling_factor": 1.0, "norm_topk_prob": False}
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "llama"),
@@ -91,6 +103,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        '{"method": "eagle", "model": "{draft}", "num_speculative_tokens": 2}'),
            note="EAGLE speculative decoding: the head's KV layer is stored with the target's, "
                 "and the draft is in the namespace (draft_sha256)"),
+    Family("llama-eagle3", "llama", builds="llama", draft="eagle3",
+           extra_args=("--speculative-config",
+                       '{"method": "eagle3", "model": "{draft}", "num_speculative_tokens": 2}'),
+           note="EAGLE-3 speculative decoding: the head reads three of the target's hidden "
+                "states; its KV layer is stored with the target's, the draft in the namespace"),
     Family("qwen2", "qwen2", {"head_dim": None}),
     Family("qwen3", "qwen3"),
     Family("qwen3-moe", "qwen3_moe", dict(_MOE), dtype="bfloat16"),
@@ -145,16 +162,20 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            note="64 layers and a 5 GiB KV cache: the server maps the segment once per layer "
                 "at registration, which must answer within vLLM's wait (issue 48)"),
     Family("deepseek-v2", "deepseek_v2",
-           {"num_hidden_layers": 3, "num_key_value_heads": HEADS, "head_dim": None,
-            "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
-            "moe_intermediate_size": 64, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-            "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
-            "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "greedy",
-            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-            "norm_topk_prob": False},
+           {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_layer_freq": 1,
+            "topk_method": "greedy", "n_group": 1, "topk_group": 1},
            dtype="bfloat16",
            note="MLA: latent KV of kv_lora_rank + qk_rope_head_dim per token and layer, "
                 "cached once its layer views are re-pointed (lmcache_compat.kv_views)"),
+    Family("deepseek-v3-mtp", "deepseek_v3",
+           {**_MLA, "num_nextn_predict_layers": 1, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+           dtype="bfloat16",
+           extra_args=("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'),
+           note="DeepSeek-V3 with its multi-token-prediction layer as the draft (the MTP "
+                "layer's MLA KV is stored with the target's; the draft is the checkpoint's "
+                "own layer, in the namespace by draft_sha256)"),
 )}
 
 
@@ -164,7 +185,11 @@ def _write_model(folder: Path, vocab_size: int, family: Family) -> None:
 
     fields = {**_COMMON, **family.config, "vocab_size": vocab_size}
     fields = {k: v for k, v in fields.items() if v is not None}
-    config = AutoConfig.for_model(family.model_type, **fields)
+    mtp_layers = int(fields.get("num_nextn_predict_layers", 0))
+    # The MTP layers are decoder layers past the model's last, as DeepSeek-V3 ships them:
+    # build them as more layers, then name them the checkpoint's way.
+    config = AutoConfig.for_model(family.model_type, **{
+        **fields, "num_hidden_layers": int(fields["num_hidden_layers"]) + mtp_layers})
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -172,6 +197,40 @@ def _write_model(folder: Path, vocab_size: int, family: Family) -> None:
             param.copy_(torch.randn_like(param) * 0.5)
     model.to(torch.float32)
     model.save_pretrained(str(folder), safe_serialization=True)
+    if mtp_layers:
+        _add_mtp_layers(folder, int(fields["num_hidden_layers"]), mtp_layers,
+                        int(fields["hidden_size"]), vocab_size)
+
+
+def _add_mtp_layers(folder: Path, layers: int, mtp_layers: int, hidden: int,
+                    vocab_size: int) -> None:
+    """Give decoder layers ``layers .. layers + mtp_layers - 1`` the parts of a DeepSeek-V3
+    multi-token-prediction layer (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``, its own
+    embedding) and set the config back to ``layers``, with ``num_nextn_predict_layers``
+    telling vLLM where the MTP layers are."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights_file = folder / "model.safetensors"
+    weights = load_file(str(weights_file))
+    generator = torch.Generator().manual_seed(SEED + 1)
+    for index in range(layers, layers + mtp_layers):
+        shapes = {"enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+                  "eh_proj.weight": (hidden, 2 * hidden),
+                  "shared_head.norm.weight": (hidden,),
+                  "shared_head.head.weight": (vocab_size, hidden),
+                  "embed_tokens.weight": (vocab_size, hidden)}
+        for name, shape in shapes.items():
+            weights[f"model.layers.{index}.{name}"] = (
+                torch.randn(shape, generator=generator) * 0.5).contiguous()
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config["num_hidden_layers"] = layers
+    config["num_nextn_predict_layers"] = mtp_layers
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def build_family(out_dir: str | Path, family: Family) -> Path:

@@ -13,6 +13,9 @@ Invariants
 ----------
 * One LMCache server serves every family of a round (each family is its own namespace); it is
   restarted between the rounds, so every hit of round 2 comes from L2 files.
+* Round 1 stops vLLM only once every full chunk of a cached family is an L2 file (60 s at
+  most): stopping the engine unregisters it, and the server rejects stores it had not taken
+  yet, which would judge a lost store as the family's fault.
 * vLLM's own prefix cache is off and the prefill runs one chunk per step, so a cold and a
   restored answer are comparable bit for bit.
 * A family never passes on a missing reading: no answer, no log line or fewer hits than full
@@ -34,6 +37,7 @@ import datetime
 import json
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,7 +93,7 @@ class FamilyResult:
     gate_line: str = ""
     #: seconds from vLLM's launch to its first answer on /health, per round
     start_s: list[float] = field(default_factory=list)
-    #: draft tokens accepted per round (a family with a draft model; empty otherwise)
+    #: draft tokens accepted per round (a speculative recipe; empty otherwise)
     spec_accepted: list[float] = field(default_factory=list)
     #: draft tokens proposed per round
     spec_drafted: list[float] = field(default_factory=list)
@@ -149,6 +153,20 @@ def _gate_line(log: Path) -> str:
 
 def _family_files(root: Path, namespace: str) -> int:
     return sum(1 for name in l2_files(root) if namespace in name)
+
+
+def _wait_for_stores(log: Path, root: Path, full_chunks: int, timeout: float = 60.0) -> None:
+    """Until every full chunk of a cached family's chat is an L2 file (or ``timeout``), so that
+    stopping vLLM cannot cut off a store still in flight: stopping the engine unregisters it,
+    and the server then rejects the stores it had not yet taken (a miss, not the family's
+    fault).  Returns at once for a family the gate refused."""
+    gate_line = _gate_line(log)
+    if "caching ON" not in gate_line:
+        return
+    namespace = _namespace(gate_line)
+    deadline = time.monotonic() + timeout
+    while _family_files(root, namespace) < full_chunks and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _largest_file(root: Path, namespace: str) -> int:
@@ -212,9 +230,11 @@ def run_matrix(families: list[Family], models: Path, work: Path) -> list[FamilyR
                 try:
                     result.start_s.append(round(vllm.start(), 1))
                     answer = _ask(family, vllm.base_url)
+                    if round_no == 1:
+                        _wait_for_stores(log, settings.cache_root, answer.prompt_tokens // CHUNK)
                     metrics = vllm.metrics()
                     hits = metric_sum(metrics, HITS)
-                    if family.draft:
+                    if family.speculative:
                         result.spec_accepted.append(metric_sum(metrics, ACCEPTED))
                         result.spec_drafted.append(metric_sum(metrics, DRAFTED))
                 except Exception as exc:
@@ -368,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{' and '.join(f'{s:.0f}' for s in r.start_s)} s, chunk file "
                   f"{r.chunk_bytes} B" + (f", draft tokens accepted {r.spec_accepted} of "
                                          f"{r.spec_drafted}"
-                                         if r.spec_accepted else "")
+                                         if r.spec_drafted else "")
                   if r.outcome.startswith("cached") else r.gate_line[-160:])
         print(f"{mark}  {r.family:16} {r.outcome:8} {detail}")
         for problem in r.problems:
