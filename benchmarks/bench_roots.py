@@ -98,7 +98,10 @@ def run_all(cmds: list[list[str]]) -> float:
 
 class ReadWatch:
     """Samples the devices' read bytes (every 5 ms) from entry to exit: when the first and the
-    last byte were read, in seconds from entry (None: nothing was read)."""
+    last byte were read, as ``time.perf_counter()`` values (None: nothing was read).  The
+    restore's own origin (:attr:`TimedRestore.began`, the LOOKUP's send) is subtracted by the
+    caller: the watch starts before the request is built and its destination zeroed, and the
+    "before the first read" figures recorded before 2026-12-07 counted that time too."""
 
     def __init__(self, disks: list[SlowDisk]) -> None:
         self.disks = disks
@@ -115,12 +118,11 @@ class ReadWatch:
         while not self._stop.wait(0.005):
             now = self._total()
             if now != seen:
-                at = time.perf_counter() - self._began
+                at = time.perf_counter()
                 self.first_s = at if self.first_s is None else self.first_s
                 self.last_s, seen = at, now
 
     def __enter__(self) -> ReadWatch:
-        self._began = time.perf_counter()
         self._thread.start()
         return self
 
@@ -232,7 +234,13 @@ def one_round(work: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
             "raw_read_s": min(raw_cat_s, raw_direct_s),
             "l2_to_l1_s": trip.lookup_s, "restore_s": trip.restore_s,
             # when the devices read, from the LOOKUP's start: the fixed cost's two ends
-            "first_read_s": watch.first_s, "last_read_s": watch.last_s}
+            "first_read_s": since(watch.first_s, trip.began),
+            "last_read_s": since(watch.last_s, trip.began)}
+
+
+def since(at: float | None, began: float) -> float | None:
+    """Seconds from ``began`` to ``at`` (None stays None: nothing was read)."""
+    return None if at is None else at - began
 
 
 def summarize(rows: list[dict[str, Any]], counts: list[int]) -> list[dict[str, Any]]:

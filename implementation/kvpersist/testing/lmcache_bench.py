@@ -26,6 +26,9 @@ class TimedRestore:
     lookup_s: float  # LOOKUP alone: the L2→L1 part
     restore_s: float  # LOOKUP + RETRIEVE
     ok: bool  # every expected chunk hit, retrieved, and its checksum matched
+    #: ``time.perf_counter()`` when the LOOKUP was sent (after the request was built and the
+    #: destination zeroed): the origin of every other timing of this restore
+    began: float = 0.0
 
 
 @dataclass
@@ -137,7 +140,7 @@ class BenchDriver:
         self.client.end_session(request)
         ok = (lookup.hit_chunks == len(expected) and result is not None and result.succeeded
               and list(got or []) == expected)
-        return TimedRestore(lookup.hit_chunks, lookup_s, restore_s, ok)
+        return TimedRestore(lookup.hit_chunks, lookup_s, restore_s, ok, began)
 
     def zero_request(self, seq: int) -> None:
         """Zero the client's KV blocks of sequence ``seq`` (what a restore of it writes)."""
