@@ -51,6 +51,7 @@ from bench_restore import MODEL, admit_server, data_files, raw_direct_read
 
 from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import free_port
+from kvpersist.l2.restore_timeline import STEPS
 from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing.lmcache_bench import BenchDriver
 from kvpersist.testing.plot import line_plot
@@ -98,7 +99,7 @@ def run_all(cmds: list[list[str]]) -> float:
 
 class ReadWatch:
     """Samples the devices' read bytes (every 5 ms) from entry to exit: when the first and the
-    last byte were read, as ``time.perf_counter()`` values (None: nothing was read).  The
+    last byte were read, as ``time.monotonic()`` values (None: nothing was read).  The
     restore's own origin (:attr:`TimedRestore.began`, the LOOKUP's send) is subtracted by the
     caller: the watch starts before the request is built and its destination zeroed, and the
     "before the first read" figures recorded before 2026-12-07 counted that time too."""
@@ -118,7 +119,7 @@ class ReadWatch:
         while not self._stop.wait(0.005):
             now = self._total()
             if now != seen:
-                at = time.perf_counter()
+                at = time.monotonic()
                 self.first_s = at if self.first_s is None else self.first_s
                 self.last_s, seen = at, now
 
@@ -223,6 +224,7 @@ def one_round(work: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
             with ReadWatch(disks) as watch:
                 trip = d.timed_restore(0, sums)
             d.close()
+            steps = adapter_steps(settings, trip.began)
             read_by_restore = [disk.read_bytes() - b for disk, b in zip(disks, read_before, strict=True)]
     mean = sum(device_bytes) / n
     return {"devices": n, "ok": trip.ok, "hit_chunks": trip.hit_chunks, "chunks": chunks,
@@ -235,7 +237,18 @@ def one_round(work: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
             "l2_to_l1_s": trip.lookup_s, "restore_s": trip.restore_s,
             # when the devices read, from the LOOKUP's start: the fixed cost's two ends
             "first_read_s": since(watch.first_s, trip.began),
-            "last_read_s": since(watch.last_s, trip.began)}
+            "last_read_s": since(watch.last_s, trip.began),
+            # when the adapter passed each step of the restore, from the LOOKUP's send
+            "adapter_steps_s": steps}
+
+
+def adapter_steps(settings: ServerSettings, began: float) -> dict[str, float]:
+    """The kvpersist adapter's ``last_restore_timeline`` (``kvpersist.l2.restore_timeline``)
+    in seconds from ``began`` (the client's ``time.monotonic()`` at the LOOKUP's send)."""
+    from kvpersist.testing.helpers import adapter_status
+
+    timeline = adapter_status(settings).get("last_restore_timeline", {})
+    return {step: at - began for step, at in timeline.items()}
 
 
 def since(at: float | None, began: float) -> float | None:
@@ -273,6 +286,9 @@ def summarize(rows: list[dict[str, Any]], counts: list[int]) -> list[dict[str, A
                                                 if r.get("first_read_s") is not None]) else None),
             "after_reads_s": (med(v) if (v := [r["l2_to_l1_s"] - r["last_read_s"] for r in mine
                                                if r.get("last_read_s") is not None]) else None),
+            "adapter_steps_s": {step: med([r["adapter_steps_s"][step] for r in mine])
+                                for step in STEPS
+                                if all(step in r.get("adapter_steps_s", {}) for r in mine)},
             "x_n_one_device": med(scaling) if scaling else None,
             "store_gb_s": gb / med([r["l1_to_l2_s"] for r in mine]),
             "raw_write_gb_s": gb / med([r["raw_write_s"] for r in mine]),
@@ -310,6 +326,11 @@ def report(rows: list[dict[str, Any]], counts: list[int], mb_s: float, json_out:
               + "; ".join(f"N={s['devices']}: {fmt(s.get('before_reads_s'), '.3f')} before the "
                           f"first read, {fmt(s.get('after_reads_s'), '.3f')} after the last"
                           for s in summary))
+    if any(s.get("adapter_steps_s") for s in summary):
+        print("the adapter's steps, from the LOOKUP's send (median s): " + "; ".join(
+            f"N={s['devices']}: " + ", ".join(f"{step} {at:.3f}"
+                                              for step, at in s["adapter_steps_s"].items())
+            for s in summary))
     print("(x N*one: this N's rate / N x the one-device rate of the same round; x raw read: "
           "the faster cold raw parallel read (a cat per device at once, or 8 O_DIRECT dd at a "
           "time) / L2->L1 time; excess: L2->L1 time - that raw read's, in seconds; x raw write: "

@@ -93,6 +93,31 @@ def test_store_task_writes_every_file(adapter: Any) -> None:
     assert adapter.store.check(deep=True) == []
 
 
+def test_a_restore_leaves_its_steps_on_the_shared_clock_in_the_status(adapter: Any) -> None:
+    """A lookup, then a load, mark every step of :data:`~kvpersist.l2.restore_timeline.STEPS`
+    in order, between the caller's own ``time.monotonic()`` before and after (the clock a
+    client in another process subtracts its send time from)."""
+    from kvpersist.l2.restore_timeline import STEPS
+
+    keys = [key_of(200 + i) for i in range(4)]
+    for i, k in enumerate(keys):
+        assert adapter.store.put(k, payload(i)) == "stored"
+    assert adapter.report_status()["last_restore_timeline"] == {}
+    began = time.monotonic()
+    objects = [to_object_key(k) for k in keys]
+    tid = adapter.submit_lookup_and_lock_task(objects, {})
+    found = wait_for(adapter.get_lookup_and_lock_event_fd(),
+                     adapter.query_lookup_and_lock_result, tid)
+    assert [found.test(i) for i in range(4)] == [True] * 4
+    tid = adapter.submit_load_task(objects, [Chunk(bytearray(CHUNK)) for _ in keys])
+    wait_for(adapter.get_load_event_fd(), adapter.query_load_result, tid)
+    ended = time.monotonic()
+    timeline = adapter.report_status()["last_restore_timeline"]
+    assert list(timeline) == list(STEPS), timeline
+    stamps = [began, *timeline.values(), ended]
+    assert stamps == sorted(stamps), timeline
+
+
 def test_lmcache_loads_the_adapter_by_its_plugin_path(tmp_path: Path) -> None:
     """The plugin path the adapter templates name (``kvpersist.l2.adapter``): LMCache's plugin
     loader finds the adapter there."""

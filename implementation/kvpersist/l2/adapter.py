@@ -61,6 +61,7 @@ from .file_pools import FilePools
 from .index import KeysCallback
 from .layout import KeyFields
 from .lease import LOAD_LEASE_S, STORE_LEASE_S, Lease
+from .restore_timeline import RestoreTimeline
 from .roots import RootSet, shares
 from .store import KvFileStore
 
@@ -246,6 +247,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._done_store: dict[L2TaskId, L2StoreResult] = {}
         self._done_lookup: dict[L2TaskId, Bitmap] = {}
         self._done_load: dict[L2TaskId, Bitmap] = {}
+        self._timeline = RestoreTimeline()
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads,
                                         thread_name_prefix="kvpersist-l2-task")
         self._files = FilePools(len(paths), config.file_threads)
@@ -340,6 +342,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey],
                                     group_layout_descs: dict[int, MemoryLayoutDesc]) -> L2TaskId:
         tid = self._new_id()
+        self._timeline.mark("lookup_submitted")
         self._pool.submit(self._run_lookup, tid, list(keys))
         return tid
 
@@ -351,6 +354,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                     bitmap.set(i)
         except Exception:
             logger.exception("kvpersist L2 lookup task %d failed", tid)
+        self._timeline.mark("lookup_done")  # before the result can be taken
         with self._lock:
             self._done_lookup[tid] = bitmap
         self._lookup_efd.notify()
@@ -367,6 +371,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self._new_id()
         lease = Lease.starting_now(self._config.load_lease_s)  # LMCache locked them just now
+        self._timeline.mark("load_submitted")
         self._pool.submit(self._run_load, tid, list(keys), list(objects), lease)
         return tid
 
@@ -381,6 +386,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 fields = to_fields(key)
                 calls.append((self._store.root_index(fields), functools.partial(
                     self._store.read_into, fields, obj.byte_array, lease)))
+            self._timeline.mark("load_dispatched")
             self._files.run_all(f"load task {tid}", calls,
                                 functools.partial(self._load_done, tid, keys))
         except Exception:
@@ -396,6 +402,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 loaded.append(keys[i])
         if loaded:
             self._announcer.announce("accessed", loaded)
+        self._timeline.mark("load_done")  # before the result can be taken
         with self._lock:
             self._done_load[tid] = bitmap
         self._load_efd.notify()
@@ -452,6 +459,7 @@ class KvPersistL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 why for _, why in degraded)
         # index changes and reads LMCache has not been told of yet (a restart's scan: seconds)
         status["announcements_pending"] = self._announcer.pending
+        status["last_restore_timeline"] = self._timeline.snapshot()
         status.update({"is_healthy": scan_error is None, "type": "KvPersistL2Adapter",
                        "kvpersist_version": __version__, "kvpersist_module": __file__})
         return status

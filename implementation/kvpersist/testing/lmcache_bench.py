@@ -26,8 +26,9 @@ class TimedRestore:
     lookup_s: float  # LOOKUP alone: the L2→L1 part
     restore_s: float  # LOOKUP + RETRIEVE
     ok: bool  # every expected chunk hit, retrieved, and its checksum matched
-    #: ``time.perf_counter()`` when the LOOKUP was sent (after the request was built and the
-    #: destination zeroed): the origin of every other timing of this restore
+    #: ``time.monotonic()`` when the LOOKUP was sent (after the request was built and the
+    #: destination zeroed): the clock the server's processes share, so the adapter's
+    #: ``last_restore_timeline`` and a device watch are timed from it
     began: float = 0.0
 
 
@@ -131,6 +132,7 @@ class BenchDriver:
         """Restore all of ``seq`` into zeroed buffers, timed; checksums compared after."""
         request = self._request(seq, "load")
         self._zero(request, request.num_full_tokens)
+        sent_at = time.monotonic()
         began = time.perf_counter()
         lookup = self.client.lookup(request)
         lookup_s = time.perf_counter() - began
@@ -140,7 +142,7 @@ class BenchDriver:
         self.client.end_session(request)
         ok = (lookup.hit_chunks == len(expected) and result is not None and result.succeeded
               and list(got or []) == expected)
-        return TimedRestore(lookup.hit_chunks, lookup_s, restore_s, ok, began)
+        return TimedRestore(lookup.hit_chunks, lookup_s, restore_s, ok, sent_at)
 
     def zero_request(self, seq: int) -> None:
         """Zero the client's KV blocks of sequence ``seq`` (what a restore of it writes)."""
