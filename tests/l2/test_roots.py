@@ -329,6 +329,24 @@ def test_a_root_unmounted_during_a_probe_is_named_as_unmounted(
     assert why is not None and "no longer holds root" in why and "no marker" in why
 
 
+def test_a_root_remounted_read_only_during_a_probe_is_named_read_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The remount lands between the probe's statvfs and its write: the write's EROFS is the
+    same fault, named as read-only (CI once saw "cannot be written (Read-only file system)")."""
+    import errno
+
+    root = tmp_path / "dev1"
+    root.mkdir()
+    identity = claim(root, RootRegister(tmp_path))
+    assert probe(root, identity) is None
+
+    def remounted_then_open(path: Any, flags: int, mode: int = 0o777) -> int:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(os, "open", remounted_then_open)  # the probe's scratch write
+    assert probe(root, identity) == f"{root} is read-only"
+
+
 def test_a_root_is_taken_only_as_the_device_this_tier_wrote(tmp_path: Path) -> None:
     primary, other = tmp_path / "dev0", tmp_path / "dev1"
     primary.mkdir()

@@ -126,6 +126,9 @@ def probe(root: Path, identity: str) -> str | None:
             with contextlib.suppress(OSError):
                 os.unlink(scratch)
             return None
+        if exc.errno == errno.EROFS:
+            # remounted read-only between the statvfs above and this write: the same fault
+            return f"{root} is read-only"
         with contextlib.suppress(OSError):
             # unmounted between the marker's read and the write: say so, not just "ENOENT"
             replaced = _replaced(root, identity)
