@@ -37,19 +37,24 @@ from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.demo.tiny_model import build_tiny_model
 from kvpersist.l2.format import HEADER_SIZE
-from kvpersist.l2.layout import SUFFIX
 from kvpersist.serving.server.lifecycle import start_server, stop_server
-from kvpersist.testing.helpers import TINY_PINS, server_env, wait_for_l2_files, wait_until
+from kvpersist.testing.helpers import (
+    TINY_PINS,
+    chunk_hashes,
+    l2_data_files,
+    server_env,
+    wait_for_l2_files,
+    wait_until,
+)
+from kvpersist.testing.kv_writer import CHUNK_TOKENS
 from kvpersist.testing.processes import kill_server
-
-CHUNK_TOKENS = 256
 
 
 def payloads(root: Path) -> dict[str, str]:
     """File name -> sha256 of its KV bytes (the header, which holds the key and checksum, left
     out), for every chunk file directly in ``root``."""
     return {p.name: hashlib.sha256(p.read_bytes()[HEADER_SIZE:]).hexdigest()
-            for p in sorted(root.glob(f"*{SUFFIX}"))}
+            for p in l2_data_files(root)}
 
 
 def same(a: ChatResult, b: ChatResult) -> bool:
@@ -101,8 +106,9 @@ def one_round(model: Path, work: Path, messages: list[dict[str, str]], cold: Cha
     """The failing test's sequence on a fresh root; what each phase restored and stored.
 
     ``keep``: instead of killing vLLM at the first file, store every chunk, stop both, and
-    leave only the ``keep``-th file (by name) on disk: when that is the chat's first chunk, the
-    next request restores it and stores the others from a prefill that began after it."""
+    leave only the file of the chat's ``keep``-th chunk (prompt order, by LMCache's chunk
+    hashes) on disk: for the first chunk, the next request restores it and stores the others
+    from a prefill that began after it; for a later one it restores nothing."""
     env = server_env(work / "cache", KVP_CACHE_BUDGET_GB="1", KVP_L2_ADAPTER="kvpersist")
     settings: ServerSettings = load_settings(env)
     root = settings.cache_root
@@ -123,10 +129,11 @@ def one_round(model: Path, work: Path, messages: list[dict[str, str]], cold: Cha
             wait_for_l2_files(root, full_chunks)
             vllm.kill()
             kill_server(settings)
-            names = sorted(payloads(root))
-            out["kept"] = names[keep]
-            for name in names[:keep] + names[keep + 1:]:
-                (root / name).unlink()
+            kept_hash = chunk_hashes(model, messages)[keep].hex()
+            out["kept_chunk"] = keep
+            for path in l2_data_files(root):
+                if path.stem.rsplit("_", 1)[1] != kept_hash:
+                    path.unlink()
             start_server(settings)
         vllm.start()
         again = chat(vllm.base_url, messages, timeout=120)
@@ -161,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", type=int, default=0,
                         help="busy loops beside each round (CI's other worker's load)")
     parser.add_argument("--keep-one", action="store_true",
-                        help="each round stores the chat, leaves one chunk file (round i: the "
-                             "(i mod chunks)-th by name) and lets the next request store the "
-                             "rest from its own prefill, then restores them all")
+                        help="each round stores the chat, leaves one chunk's file (round i: "
+                             "chunk i mod chunks, in prompt order) and lets the next request "
+                             "store the rest from its own prefill, then restores them all")
     parser.add_argument("--json", type=Path, help="write every round's findings here")
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so each round's finally stops its vLLM and server.

@@ -4,6 +4,7 @@ devices are in test_roots_devices.py."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections import Counter
@@ -333,8 +334,6 @@ def test_a_root_remounted_read_only_during_a_probe_is_named_read_only(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The remount lands between the probe's statvfs and its write: the write's EROFS is the
     same fault, named as read-only (CI once saw "cannot be written (Read-only file system)")."""
-    import errno
-
     root = tmp_path / "dev1"
     root.mkdir()
     identity = claim(root, RootRegister(tmp_path))
