@@ -188,6 +188,25 @@ def test_verify_and_quarantine(root: Path, capsys: pytest.CaptureFixture[str]) -
     assert code == 0 and "1 quarantined" in out and not victim.exists()
 
 
+def test_a_file_gone_before_its_scrub_is_counted_vanished_not_failed(root: Path) -> None:
+    """A live server evicts or cleans up files while a scrub runs (CI's traffic run once saw 2
+    "failures" that way): a file listed and then gone is counted ``vanished``; a damaged file
+    among them still fails."""
+    from kvpersist.admin.verify import verify_files
+    from kvpersist.l2.inventory import build_inventory
+
+    listed = [f for f in build_inventory(root).files if f.cls == "live"]
+    assert len(listed) == 6
+    gone, damaged = (Path(f.dir) / f.name for f in listed[:2])
+    gone.unlink()  # evicted after the listing
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 1
+    damaged.write_bytes(bytes(raw))
+    result = verify_files(root, listed, quarantine=False)
+    assert (result.checked, result.vanished) == (5, 1)
+    assert result.failures == [(str(damaged), "payload-checksum")]
+
+
 def test_metrics(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "metrics", "--active", NS[2])
     assert code == 0

@@ -1,11 +1,17 @@
 """``kvp-admin verify``: scrub every kvpersist file's header and checksum, at a bounded rate.
 
-Invariant: read-only unless ``quarantine`` is set; then only files that fail are moved, into
-``quarantine/`` of the same root.
+Invariants
+----------
+* Read-only unless ``quarantine`` is set; then only files that fail are moved, into
+  ``quarantine/`` of the same root.
+* A file gone when its scrub reads it (evicted or cleaned up by a live server after the
+  listing) is counted ``vanished``, never a failure: it serves nothing wrong, as ``cleanup``
+  counts such files.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +28,7 @@ class VerifyResult:
     bytes_read: int = 0
     failures: list[tuple[str, str]] = field(default_factory=list)
     quarantined: int = 0
+    vanished: int = 0
     seconds: float = 0.0
     #: "rank/world size" -> {"checked": files, "failed": files}
     per_rank: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -47,6 +54,9 @@ def verify_files(root: Path | Sequence[Path], files: Iterable[CacheFile], *, qua
         if f.cls != "live" or f.path.suffix != ".kvp":
             continue
         reason, nbytes = verify_file(f.path)
+        if reason is not None and not os.path.lexists(f.path):
+            result.vanished += 1
+            continue
         result.checked += 1
         result.bytes_read += nbytes
         result._count(f, reason is not None)

@@ -104,11 +104,14 @@ def _verify(args: argparse.Namespace, settings: ServerSettings) -> int:
     if args.json:
         print_json({"checked": res.checked, "bytes_read": res.bytes_read,
                      "failures": [{"path": p, "reason": r} for p, r in res.failures],
-                     "quarantined": res.quarantined, "seconds": round(res.seconds, 3),
+                     "quarantined": res.quarantined, "vanished": res.vanished,
+                     "seconds": round(res.seconds, 3),
                      "per_rank": dict(sorted(res.per_rank.items()))})
     else:
         print(f"verified {res.checked} files ({gib(res.bytes_read)} GiB) in {res.seconds:.1f}s: "
-              f"{len(res.failures)} failed, {res.quarantined} quarantined")
+              f"{len(res.failures)} failed, {res.quarantined} quarantined"
+              + (f", {res.vanished} gone meanwhile (evicted or cleaned up)" if res.vanished
+                 else ""))
         if len(res.per_rank) > 1:
             print("  per rank (rank/world size): " + ", ".join(
                 f"{label} {row['checked']} checked, {row['failed']} failed"

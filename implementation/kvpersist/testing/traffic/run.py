@@ -180,7 +180,9 @@ def operator_action(stack: TrafficStack, users: UserPool, action: str) -> dict[s
         # quarantines what fails when it reads it; an offline scrub may quarantine itself)
         out = stack.admin("verify", ok=(0, 3))
         return {"checked": out.get("checked"), "failures": len(out.get("failures") or ()),
-                "quarantined": out.get("quarantined"), "seconds": out.get("seconds")}
+                "failure_reasons": sorted({f["reason"] for f in out.get("failures") or ()}),
+                "quarantined": out.get("quarantined"), "vanished": out.get("vanished"),
+                "seconds": out.get("seconds")}
     raise ValueError(f"unknown action {action!r}")
 
 
