@@ -73,9 +73,21 @@ def print_summary(res: dict[str, Any]) -> None:
         print(f"no summary: {len(res.get('records', []))} requests recorded")
         return
     wrong = res.get("wrong_answer_sample", {})
+    answers = wrong.get("answers", [])
+    scored_run = any("scored" in a for a in answers)  # runs before 2026-12-07 have no scores
+    rule = ("bit for bit" if wrong.get("exact") else
+            "served tokens scored cold, within 1e-3" if scored_run else
+            "tokens equal, logprobs within 1e-3")
     print(f"requests {res['requests']}, failed {res['failed']}; wrong answers "
-          f"{wrong.get('wrong')} of {wrong.get('asked')} asked again "
-          f"({'bit for bit' if wrong.get('exact') else 'tokens, logprobs within 1e-3'})")
+          f"{wrong.get('wrong')} of {wrong.get('asked')} asked again ({rule})")
+    for answer in answers:
+        scored = answer.get("scored", {})
+        print(f"  seq {answer['seq']:>5} cached {answer['cached_tokens']:>6}/"
+              f"{answer['prompt_tokens']:<6} {'ok   ' if answer['ok'] else 'WRONG'} "
+              f"parted at {answer.get('diverged_at', '?')} "
+              f"(gap {fmt(answer.get('gap_at_divergence'))}); served vs scored "
+              f"{fmt(scored.get('max_delta'))}, control {fmt(scored.get('control_max_delta'))}"
+              f"{' ' + scored['error'] if 'error' in scored else ''}")
     overall = res["hit_rate"]["overall"]
     print("hit rate (cached / prompt tokens): " + ", ".join(
         f"{name} {fmt(value, 100, '%')}" for name, value in overall.items()))

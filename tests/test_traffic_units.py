@@ -164,13 +164,19 @@ def test_the_answer_check_fails_on_a_changed_logprob_or_token() -> None:
     same = SimpleNamespace(tokens=["x", "y"], logprobs=[-1.0, -2.0])
     close = SimpleNamespace(tokens=["x", "y"], logprobs=[-1.0, -2.0 + 1e-6])
     other = SimpleNamespace(tokens=["x", "z"], logprobs=[-1.0, -2.0])
-    assert compare_answers(first, same, exact=True)["ok"]
-    assert not compare_answers(first, close, exact=True)["ok"]
-    assert compare_answers(first, close, exact=False)["ok"]
-    parted = compare_answers(first, other, exact=False)
-    assert not parted["ok"]
+    passed, failed = {"ok": True}, {"ok": False}
+    assert compare_answers(first, same, failed, exact=True)["ok"]
+    assert not compare_answers(first, close, passed, exact=True)["ok"]
+    # batched: the served tokens' own scores decide, wherever the greedy paths went
+    assert compare_answers(first, close, passed, exact=False)["ok"]
+    assert not compare_answers(first, same, failed, exact=False)["ok"]
+    parted = compare_answers(first, other, {"ok": True, "scores": [-1.0, -2.0 - 3e-4]},
+                             exact=False)
+    assert parted["ok"] and not parted["same_tokens"]
+    assert parted["gap_at_divergence"] == pytest.approx(3e-4)  # served y against cold z
     assert parted["diverged_at"] == 1 and parted["max_delta_up_to_divergence"] == 0.0
     assert parted["cold"]["tokens"] == ["x", "z"] and parted["served"]["tokens"] == ["x", "y"]
+    assert not compare_answers(first, other, {"error": "no scores"}, exact=False)["ok"]
 
 
 def test_the_sample_prefers_hits_spread_over_the_run() -> None:

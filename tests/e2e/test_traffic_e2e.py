@@ -66,6 +66,21 @@ def test_answers_served_from_the_cache_equal_the_cold_ones_bit_for_bit(run: dict
     assert sum(a["cached_tokens"] > 0 for a in sample["answers"]) >= 3, sample["answers"]
 
 
+def test_each_sampled_answers_own_tokens_scored_cold_match_and_a_misplaced_chunk_shows(
+        run: dict[str, Any]) -> None:
+    """The check batched runs rely on (:mod:`kvpersist.testing.traffic.path_scores`), on the
+    real engine: each sampled answer's own tokens, scored by the bypass engine in one prefill,
+    have the logprobs they were served with (within the tolerance: a prefill and a decode step
+    round differently), and the same tokens after the prompt's first chunk reversed move by
+    far more, so the comparison would see a wrong chunk."""
+    sample = run["wrong_answer_sample"]
+    assert sample["unscored"] == 0, [a["scored"] for a in sample["answers"]]
+    for answer in sample["answers"]:
+        scored = answer["scored"]
+        assert scored["ok"] and not scored["blind"], scored
+        assert scored["control_max_delta"] > 0.1, scored
+
+
 def test_the_tier_evicts_at_its_budget_and_still_serves_hits(run: dict[str, Any]) -> None:
     assert run["tier_at_end"]["evicted"] > 0, run["tier_at_end"]
     assert run["tier_at_end"]["used_bytes"] <= 0.024 * (1 << 30)

@@ -302,10 +302,11 @@ class StreamedChat:
 
 def stream_chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: int = 16,
                 timeout: float = 600.0, model: str | None = None,
-                cache_salt: str | None = None) -> StreamedChat:
+                cache_salt: str | None = None, token_ids: bool = False) -> StreamedChat:
     """One streamed chat completion at temperature 0; the time to first token is measured on
     the first content chunk.  ``timeout`` bounds every socket operation; ``cache_salt`` as
-    :func:`chat_body`."""
+    :func:`chat_body`; ``token_ids``: the answer's tokens come as ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``), so they can be sent back as a prompt exactly."""
     import http.client as http_client
     import json
     import urllib.parse
@@ -313,6 +314,8 @@ def stream_chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: in
     body = {**chat_body(base_url, messages, max_tokens=max_tokens, model=model,
                         cache_salt=cache_salt),
             "stream": True, "stream_options": {"include_usage": True}}
+    if token_ids:
+        body["return_tokens_as_token_ids"] = True
     parts = urllib.parse.urlsplit(base_url)
     conn = http_client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     began = time.monotonic()

@@ -12,9 +12,12 @@ Invariants
   server restart does not: vLLM must keep answering, uncached, while the server is away.
 * Answers compare bit for bit when the engine ran one sequence at a time
   (``max_num_seqs == 1``): the cold and the cached computations then prefill the same
-  256-token steps.  With more, CPU kernels are not batch-invariant and the last bits of a
-  logprob depend on the batch: tokens must be equal and logprobs within
-  :data:`BATCHED_LOGPROB_TOLERANCE`, and the largest difference is reported.
+  256-token steps.  With more, CPU kernels are not batch-invariant: the last bits of a
+  logprob depend on the batch and a greedy answer may part from the cold one at a near tie.
+  There an answer is judged by its own tokens scored on the bypass engine
+  (:mod:`.path_scores`): its served logprobs within :data:`BATCHED_LOGPROB_TOLERANCE` of the
+  scores, with a control that shows a misplaced chunk moves them further.  Every sampled
+  answer is scored so in both modes, and where the paths part is reported.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ from ...config.server import ServerSettings, load_settings
 from ...demo.stack import SERVED_MODEL_NAME, VllmProcess, metric_sum
 from ...identity.fields import NAMESPACE_IN_TEXT
 from ...identity.records import list_records
+from ...serving.http import HttpError
 from ...serving.lmcache_compat import status as server_status
 from ...serving.pidfile import read_pid_file
 from ...serving.server.lifecycle import start_server, stop_server
 from ...serving.shm_sweep import SEGMENT_NAME, SHM_DIR, python_segments
 from ..helpers import adapter_status, server_env, wait_for_l2_idle
+from .path_scores import PathScoreError, score_and_judge
 from .resources import shm_usage, tree_usage
 from .shape import TrafficShape
 from .summary import hit_rates, inter_token_latency, trend, ttft_by_length
@@ -220,8 +225,11 @@ def _periodic(stop: threading.Event, interval: float, work: Callable[[], None]) 
             work()
 
 
-def compare_answers(first: RequestRecord, cold: Any, *, exact: bool) -> dict[str, Any]:
-    """``first`` (as served under traffic) against ``cold`` (asked of the bypass engine)."""
+def compare_answers(first: RequestRecord, cold: Any, scored: dict[str, Any], *, exact: bool
+                    ) -> dict[str, Any]:
+    """``first`` (as served under traffic) against ``cold`` (asked of the bypass engine) and
+    ``scored`` (:func:`.path_scores.judge` of ``first``'s own tokens, or ``{"error": ...}``).
+    Exact: the answers equal bit for bit.  Batched: ``scored`` passed."""
     deltas = [abs(a - b) for a, b in zip(first.logprobs, cold.logprobs, strict=False)]
     same_tokens = list(first.tokens) == list(cold.tokens)
     worst = max(deltas, default=0.0)
@@ -230,14 +238,19 @@ def compare_answers(first: RequestRecord, cold: Any, *, exact: bool) -> dict[str
     diverged_at = next((i for i, (a, b) in enumerate(zip(first.tokens, cold.tokens,
                                                            strict=False)) if a != b), None)
     before = deltas[:diverged_at + 1] if diverged_at is not None else deltas
-    if exact:
-        ok = same_tokens and list(first.logprobs) == list(cold.logprobs)
-    else:
-        ok = same_tokens and worst <= BATCHED_LOGPROB_TOLERANCE
+    # at the parting, both paths share their context: the correct computation's logprobs of
+    # the served token (scored) and of the cold one; a near tie is a small gap between them
+    scores = scored.get("scores") or []
+    tie_gap = (abs(scores[diverged_at] - cold.logprobs[diverged_at])
+               if diverged_at is not None and diverged_at < min(len(scores), len(cold.logprobs))
+               else None)
+    bit_for_bit = same_tokens and list(first.logprobs) == list(cold.logprobs)
+    ok = bit_for_bit if exact else bool(scored.get("ok"))
     return {"seq": first.seq, "conversation": first.conversation, "turn": first.turn,
             "prompt_tokens": first.prompt_tokens, "cached_tokens": first.cached_tokens,
             "ok": ok, "same_tokens": same_tokens, "max_logprob_delta": worst,
             "diverged_at": diverged_at, "max_delta_up_to_divergence": max(before, default=0.0),
+            "gap_at_divergence": tie_gap, "scored": scored,
             "served": {"tokens": list(first.tokens), "logprobs": list(first.logprobs)},
             "cold": {"tokens": list(cold.tokens), "logprobs": list(cold.logprobs)}}
 
@@ -359,20 +372,38 @@ def _checks(stack: TrafficStack, users: UserPool, records: list[RequestRecord],
     from ...serving.launcher.vllm_client import stream_chat
 
     stores_before = int(adapter_status(stack.settings)["stores"])
+    exact = stack.spec.max_num_seqs == 1
     compared = []
     for first in chosen:
         conv = users.conversations[first.conversation]
-        cold = stream_chat(cold_engine.base_url, conv.messages(first.turn, plan.shape.turn_tokens),
-                           max_tokens=plan.shape.max_tokens_out, timeout=900,
-                           model=conv.model or SERVED_MODEL_NAME, cache_salt=conv.salt)
-        compared.append(compare_answers(first, cold, exact=stack.spec.max_num_seqs == 1))
+        messages = conv.messages(first.turn, plan.shape.turn_tokens)
+        model = conv.model or SERVED_MODEL_NAME
+        cold = stream_chat(cold_engine.base_url, messages, max_tokens=plan.shape.max_tokens_out,
+                           timeout=900, model=model, cache_salt=conv.salt, token_ids=True)
+        scored = score_served(cold_engine.base_url, messages, first, model)
+        compared.append(compare_answers(first, cold, scored, exact=exact))
     time.sleep(3.0)  # on purpose: a store that must not come has nothing to wait on
     out["bypass_engine"] = bypass_evidence(stack, cold_engine, stores_before)
-    out["wrong_answer_sample"] = {"exact": stack.spec.max_num_seqs == 1,
-                                  "asked": len(compared),
-                                  "wrong": sum(not c["ok"] for c in compared),
-                                  "answers": compared}
+    unscored = [c for c in compared if "error" in c["scored"]]
+    out["wrong_answer_sample"] = {
+        "exact": exact, "asked": len(compared),
+        # an answer whose check could not run is not counted wrong, but never passes
+        "wrong": sum(not c["ok"] for c in compared if exact or "error" not in c["scored"]),
+        "unscored": len(unscored),
+        "parted": sum(not c["same_tokens"] for c in compared), "answers": compared}
     return out
+
+
+def score_served(base_url: str, messages: list[dict[str, str]], first: RequestRecord,
+                 model: str) -> dict[str, Any]:
+    """:func:`.path_scores.score_and_judge` of the answer served as ``first``, or the reason
+    it could not be scored."""
+    try:
+        return score_and_judge(base_url, messages, first.tokens, first.logprobs,
+                               prompt_tokens=first.prompt_tokens, model=model,
+                               tolerance=BATCHED_LOGPROB_TOLERANCE)
+    except (PathScoreError, HttpError, OSError, KeyError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
 def bypass_evidence(stack: TrafficStack, engine: VllmProcess, stores_before: int

@@ -39,7 +39,7 @@ class RequestRecord:
     cached_tokens: int = 0
     ttft_s: float = float("nan")
     seconds: float = float("nan")
-    tokens: tuple[str, ...] = ()
+    tokens: tuple[str, ...] = ()  # as ``token_id:N`` (vLLM's return_tokens_as_token_ids)
     logprobs: tuple[float, ...] = ()
     token_times: tuple[float, ...] = ()  # after started_s
     error: str | None = None
@@ -144,7 +144,8 @@ class UserPool:
             answer = stream_chat(self.base_url, conv.messages(turn, self.shape.turn_tokens),
                                  max_tokens=self.shape.max_tokens_out,
                                  timeout=self.request_timeout_s,
-                                 model=conv.model or self.served_model, cache_salt=conv.salt)
+                                 model=conv.model or self.served_model, cache_salt=conv.salt,
+                                 token_ids=True)
             record = RequestRecord(0, user, conv.cid, turn, started, answer.prompt_tokens,
                                    answer.cached_tokens, answer.ttft_s, answer.seconds,
                                    tuple(answer.tokens), tuple(answer.logprobs),
