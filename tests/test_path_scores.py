@@ -6,13 +6,13 @@ run's sample in ``tests/e2e/test_traffic_e2e.py``)."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, ClassVar
 
 import pytest
 
+from kvpersist.testing.http_stub import http_stub
 from kvpersist.testing.traffic.path_scores import (
     CONTROL_CHUNK_TOKENS,
     PathScoreError,
@@ -97,13 +97,8 @@ class EngineStub(BaseHTTPRequestHandler):
 @pytest.fixture
 def engine_url() -> Iterator[str]:
     EngineStub.bodies = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), EngineStub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
+    with http_stub(EngineStub) as url:
+        yield url
 
 
 def test_scoring_sends_prompt_and_answer_as_ids_and_reads_the_answers_rows(engine_url: str

@@ -8,15 +8,15 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
 
 import pytest
 
 from kvpersist.demo.tiny_model import CHAT_TEMPLATE
+from kvpersist.testing.http_stub import http_stub
 from kvpersist.testing.traffic.ideal_lru import Access, replay_lru
 from kvpersist.testing.traffic.run import compare_answers, pick_sample
 from kvpersist.testing.traffic.shape import Population, TrafficShape, pareto_length
@@ -211,13 +211,8 @@ class StreamStub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stub_url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), StreamStub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
+    with http_stub(StreamStub) as url:
+        yield url
 
 
 def test_a_paused_pool_has_nothing_in_flight_and_resumes_elsewhere(stub_url: str) -> None:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ from kvpersist.serving.connector.scheduler.lookup_deadline import (
     progress_token,
 )
 from kvpersist.testing.helpers import wait_until
+from kvpersist.testing.http_stub import http_stub
 
 
 class FakeClock:
@@ -175,12 +175,8 @@ def status_server() -> Iterator[tuple[str, dict[str, Any]]]:
         def log_message(self, *args: Any) -> None:
             return None
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/status", state
-    finally:
-        server.shutdown()
+    with http_stub(Handler) as url:
+        yield f"{url}/status", state
 
 
 class _LookRecordingDeadline(LookupDeadline):
