@@ -1,5 +1,7 @@
-"""The store fence's rule with stand-in futures and processes: a preemption flush returns only
-once every store settled or its server process is gone, with no timeout in between."""
+"""The store fence's rules with stand-in futures and processes: a preemption flush returns only
+once every store settled or its server process is gone, with no timeout in between; a finished
+request is reported finished sending (its blocks freed) only once its last store settled, shown
+on LMCache 0.5.6's own ``get_finished`` code."""
 
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ class Process:
         return "pid 4242"
 
 
-def fence(process: Process | None, **kw: Any) -> StoreFence:
-    return StoreFence(object(), server_url="unix:///nowhere", server_of=lambda f: process,
+def fence(process: Process | None, adapter: Any = None, **kw: Any) -> StoreFence:
+    return StoreFence(adapter if adapter is not None else object(),
+                      server_url="unix:///nowhere", server_of=lambda f: process,
                       listener=lambda url: process, refuses=lambda url: False, **kw)
 
 
@@ -89,3 +92,93 @@ def test_settled_stores_return_at_once() -> None:
     f = fence(Process())
     f.settle([done])
     assert f.flushes == 0 and f.given_up == 0
+
+
+class Telemetry:
+    def on_request_store_finished(self, **_kw: Any) -> None:
+        pass
+
+
+def lmcache_worker(futures: dict[str, Future]) -> Any:
+    """An object run by LMCache 0.5.6's own ``get_finished`` and its helpers: the state its
+    worker adapter keeps for stores, and nothing else (no retrieves, healthy)."""
+    from lmcache.integration.vllm.vllm_multi_process_adapter import LMCacheMPWorkerAdapter
+
+    class Worker:
+        get_finished = LMCacheMPWorkerAdapter.get_finished
+        _process_finished_stores = LMCacheMPWorkerAdapter._process_finished_stores
+        _update_and_get_finished_store = LMCacheMPWorkerAdapter._update_and_get_finished_store
+
+        def __init__(self) -> None:
+            self.dispatcher = None
+            self.is_healthy = True
+            self.store_futures: dict[str, Any] = futures
+            self.store_events: dict[str, Any] = {}
+            self.retrieve_futures: dict[str, Any] = {}
+            self.retrieve_events: dict[str, Any] = {}
+            self._dropped_retrieves: set[str] = set()
+            self._pending_store_kv_events: dict[str, Any] = {}
+            self.finished_stores: set[str] = set()
+            self.previously_finished: set[str] = set()
+            self._returned_finished: set[str] = set()
+            self.request_telemetry = Telemetry()
+            self.model_name, self.world_size, self.worker_id = "m", 1, 0
+
+        def _publish_store_kv_events(self, request_id: str) -> None:
+            pass
+
+        def handle_preemptions(self, need_flush: bool) -> None:
+            pass
+
+    return Worker()
+
+
+class Settled(Future):
+    def __init__(self) -> None:
+        super().__init__()
+        self.set()
+
+    def result(self, timeout: float | None = None) -> bool:
+        return True
+
+
+def two_stores_then_finish(worker: Any) -> tuple[Any, Future]:
+    """Request R's first store settles and is seen; its second (the last prefill step's) is
+    sent and still read when the engine finishes R."""
+    worker.store_futures["R"] = Settled()
+    assert worker.get_finished(set()) == (set(), set())  # R not finished yet: nothing to say
+    last = Future()
+    worker.store_futures["R"] = last
+    return worker.get_finished({"R"}), last
+
+
+def test_lmcache_alone_reports_a_request_finished_while_its_last_store_is_read() -> None:
+    """The hole the fence closes, in LMCache 0.5.6's own code: R is reported finished sending
+    (vLLM frees its blocks) although its last store has not settled."""
+    (sending, _), last = two_stores_then_finish(lmcache_worker({}))
+    assert not last.query() and sending == {"R"}
+
+
+def test_the_fence_reports_a_finished_request_only_once_its_last_store_settled() -> None:
+    worker = lmcache_worker({})
+    f = fence(Process(), worker)
+    f.install()
+    (sending, _), last = two_stores_then_finish(worker)
+    assert sending == set() and f.finishes_withheld == 1
+    assert worker.get_finished(set())[0] == set()  # still read: still held
+    last.result = lambda timeout=None: True  # type: ignore[method-assign]
+    last.set()
+    assert worker.get_finished(set())[0] == {"R"}  # settled: reported once, now
+    assert worker.get_finished(set())[0] == set()
+
+
+def test_a_withheld_request_whose_server_is_gone_is_released() -> None:
+    process = Process()
+    worker = lmcache_worker({})
+    f = fence(process, worker, clock=iter(range(0, 100, 2)).__next__)
+    f.install()
+    (sending, _), _last = two_stores_then_finish(worker)
+    assert sending == set()
+    assert worker.get_finished(set())[0] == set()  # the server lives: held
+    process.exited = True
+    assert worker.get_finished(set())[0] == {"R"} and f.given_up == 1

@@ -191,6 +191,12 @@ def transfer_context(adapter: Any) -> Any:
     return require(adapter, "transfer_ctx")
 
 
+def store_futures(adapter: Any) -> dict[str, Any]:
+    """The worker adapter's store future of each request (the latest store LMCache sent for it;
+    it pops one when it sees it settled)."""
+    return dict(require(adapter, "store_futures"))
+
+
 def take_inflight_stores(ctx: Any) -> list[Any] | None:
     """Take the stores an ``lmcache_driven`` context has in flight (the server may still read
     their blocks), leaving it none, as its own flush does; None for a context that keeps no

@@ -108,12 +108,19 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
         "store_fence",
         purpose="before the forward pass of a step that preempted requests, every store the "
                 "server reads out of vLLM's KV memory has settled or its server process is "
-                "gone; no fixed timeout (serving.store_fence)",
-        if_off="the gate closes: a preempted request's blocks could be reused while the server "
-               "still reads them, publishing mixed KV under a valid checksum",
+                "gone, and a finished request is reported finished sending only once its last "
+                "store has; no fixed timeout (serving.store_fence)",
+        if_off="the gate closes: a preempted or finished request's blocks could be reused "
+               "while the server still reads them, publishing another request's KV under a "
+               "valid checksum",
         unsafe_without=True,
         sources=(
             (_MP_ADAPTER, "LMCacheMPWorkerAdapter.handle_preemptions", "7fefa1ea2bb96b52"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter.get_finished", "b8566ad42209566e"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter._process_finished_stores",
+             "595b4917c963c672"),
+            (_MP_ADAPTER, "LMCacheMPWorkerAdapter._update_and_get_finished_store",
+             "ebaa2f3b8a4d2390"),
             (_MP_CONNECTOR, "LMCacheMPConnector.handle_preemptions", "75b42ef1a764cd9b"),
             (_MP_CONNECTOR, "_has_preemption_reqs", "eedbc94b2d9cd7a1"),
             (_WORKER_TRANSFER, "LMCacheDrivenTransferContext.__init__", "9ba8343cad163b0f"),
@@ -125,8 +132,8 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature(
         "store_order",
         purpose="LMCache keeps one store future per request (a later store of the same request "
-                "replaces the earlier one), and vLLM frees a finished request's blocks when "
-                "that future settles; this is exact only because the server serves one "
+                "replaces the earlier one), and the store fence frees a finished request's "
+                "blocks when that future settles; this is exact only because the server serves one "
                 "client's stores and loads in the order sent (its affinity pool: one thread "
                 "per client, FIFO)",
         if_off="the gate closes: a finished request's blocks could be reused while an earlier "

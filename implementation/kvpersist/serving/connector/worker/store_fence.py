@@ -26,9 +26,20 @@ Invariants
 * On a GPU (CUDA IPC) the rule is the same: LMCache's store future completes only after the
   server's copy from the exported blocks finished (``to_device_future``), and the fence then
   synchronizes the device as LMCache's flush does.
+* **A finished request's blocks are freed only after its last store settled.**  vLLM frees them
+  when the worker reports the request "finished sending" (``get_finished``).  LMCache 0.5.6
+  reports a request there as soon as *any* earlier store of it settled: the id stays in its
+  ``finished_stores`` set from that earlier store, while ``store_futures`` holds the later one
+  still in flight (a request stores once per prefill step that completes a chunk).  Under load
+  the last prefill step's store was still unread when the few decode steps ended, the blocks
+  went to another request, and the server published that request's KV under this one's key
+  (found by the batched traffic run: 9 of 18 sampled hits served from wrong KV).  The fence
+  withholds such a request from the report until that future settles or its server process
+  is gone, and reports it then; nothing else of LMCache's result changes.
 
 Installed per worker adapter instance: it replaces the adapter's ``handle_preemptions`` and calls
-nothing of LMCache's flush (feature ``store_fence`` pins both).
+nothing of LMCache's flush, and wraps the ``get_finished`` installed before it (feature
+``store_fence`` pins both).
 """
 
 from __future__ import annotations
@@ -47,6 +58,9 @@ logger = logging.getLogger("vllm.kvpersist.store_fence")
 Clock = Callable[[], float]
 #: How long one wait on a store's reply lasts before the server's process is looked at again.
 POLL_S = 0.2
+#: How often withheld finished requests are checked for a gone server (a live server settles
+#: them by answering; the check only frees the blocks of stores nobody will answer).
+GONE_CHECK_S = 1.0
 
 
 def _settled(future: Any) -> bool:
@@ -76,11 +90,59 @@ class StoreFence:
         self.flushes = 0  # preemption flushes that found stores in flight
         self.waited_s = 0.0  # time spent holding blocks for unsettled stores
         self.given_up = 0  # stores whose server process was gone
+        self.finishes_withheld = 0  # finished requests held back for a store in flight
+        self._withheld: dict[str, Any] = {}  # request id -> its last store's future
+        self._gone_checked_at = float("-inf")
 
     def install(self) -> None:
-        """Route the adapter's ``handle_preemptions`` through the fence."""
+        """Route the adapter's ``handle_preemptions`` through the fence, and its ``get_finished``
+        (as installed so far: the load fence's) through :meth:`finished`."""
         original = type(self._adapter).handle_preemptions
         self._adapter.handle_preemptions = functools.partial(self._handle_preemptions, original)
+        self._adapter.get_finished = functools.partial(self.finished,
+                                                       self._adapter.get_finished)
+
+    def finished(self, inner: Callable[..., Any], *args: Any
+                 ) -> tuple[set[str] | None, set[str] | None]:
+        """``inner(*args)`` (LMCache's ``get_finished``), with every request reported finished
+        sending whose last store has not settled held back, and reported by a later call once
+        it has (or its server process is gone)."""
+        before = dict(lmcache_adapters.store_futures(self._adapter))
+        sending, receiving = inner(*args)
+        after = lmcache_adapters.store_futures(self._adapter)
+        out = set(sending or ())
+        for rid in list(out):
+            future = after.get(rid, before.get(rid))
+            if future is not None and not _settled(future):
+                out.discard(rid)
+                self._withheld[rid] = future
+                self.finishes_withheld += 1
+                if self.finishes_withheld == 1 or self.finishes_withheld % 100 == 0:
+                    logger.info("kvpersist: request %s finished while its last store is still "
+                                "being read out of its KV blocks; the blocks are freed once "
+                                "the server has read them (%d such requests so far)", rid,
+                                self.finishes_withheld)
+        out |= self._release()
+        return (out or None) if sending is None else out, receiving
+
+    def _release(self) -> set[str]:
+        """The withheld requests whose store settled or whose server process is gone."""
+        if not self._withheld:
+            return set()
+        done = {rid for rid, future in self._withheld.items() if _settled(future)}
+        now = self._clock()
+        if len(done) < len(self._withheld) and now - self._gone_checked_at >= GONE_CHECK_S:
+            self._gone_checked_at = now
+            fallback = self._listener(self._url)
+            gone = {rid for rid, future in self._withheld.items()
+                    if rid not in done and self._gone(self._server_of(future) or fallback)}
+            if gone:
+                self.given_up += len(gone)
+                self._record("server_gone", len(gone))
+            done |= gone
+        for rid in done:
+            del self._withheld[rid]
+        return done
 
     def _handle_preemptions(self, original: Callable[..., Any], need_flush: bool) -> None:
         if not need_flush:
