@@ -30,12 +30,13 @@ Invariants
   when the worker reports the request "finished sending" (``get_finished``).  LMCache 0.5.6
   reports a request there as soon as *any* earlier store of it settled: the id stays in its
   ``finished_stores`` set from that earlier store, while ``store_futures`` holds the later one
-  still in flight (a request stores once per prefill step that completes a chunk).  Under load
-  the last prefill step's store was still unread when the few decode steps ended, the blocks
-  went to another request, and the server published that request's KV under this one's key
-  (found by the batched traffic run: 9 of 18 sampled hits served from wrong KV).  The fence
-  withholds such a request from the report until that future settles or its server process
-  is gone, and reports it then; nothing else of LMCache's result changes.
+  still in flight (a request stores once per prefill step that completes a chunk).  A server
+  that reads the last prefill step's store after the request's decode steps ended would read
+  blocks vLLM may have given another request, and publish that KV under this one's key.  Found
+  by reading LMCache 0.5.6 (its own code, run in ``tests/serving/test_store_fence.py``, reports
+  such a request); no wrong chunk of this kind was seen.  The fence withholds such a request
+  from the report until that future settles or its server process is gone, and reports it
+  then; nothing else of LMCache's result changes.
 
 Installed per worker adapter instance: it replaces the adapter's ``handle_preemptions`` and calls
 nothing of LMCache's flush, and wraps the ``get_finished`` installed before it (feature
