@@ -307,11 +307,15 @@ def test_a_changed_exactness_pin_turns_its_feature_off_and_closes_the_gate(
     report = lmcache_with_edit(tmp_path, "lmcache.integration.vllm.vllm_multi_process_adapter",
                                "LMCacheMPWorkerAdapter.get_finished")
     off = {f.name: f for f in report.features if not f.on}
-    assert list(off) == ["load_fence"]
-    changed = off["load_fence"].changed
-    assert [c.qualname for c in changed] == ["LMCacheMPWorkerAdapter.get_finished"]
-    assert changed[0].found not in ("missing", changed[0].pinned)
+    # both fences wrap get_finished: the load fence's late writes, the store fence's
+    # finished-request rule
+    assert list(off) == ["load_fence", "store_fence"]
+    for name in off:
+        changed = off[name].changed
+        assert [c.qualname for c in changed] == ["LMCacheMPWorkerAdapter.get_finished"]
+        assert changed[0].found not in ("missing", changed[0].pinned)
     assert report.gate_closes and "load_fence" in report.gate_reasons[0]
+    assert any("store_fence" in reason for reason in report.gate_reasons)
     assert report.exit_code == 2
     assert report.breaking == ()  # the copy holds everything kvpersist imports
 
