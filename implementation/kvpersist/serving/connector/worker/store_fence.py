@@ -108,7 +108,7 @@ class StoreFence:
         """``inner(*args)`` (LMCache's ``get_finished``), with every request reported finished
         sending whose last store has not settled held back, and reported by a later call once
         it has (or its server process is gone)."""
-        before = dict(lmcache_adapters.store_futures(self._adapter))
+        before = lmcache_adapters.store_futures(self._adapter)  # a copy: LMCache pops settled ones
         sending, receiving = inner(*args)
         after = lmcache_adapters.store_futures(self._adapter)
         out = set(sending or ())
