@@ -18,6 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Tokens per KV chunk when ``KVP_CHUNK_SIZE`` is not set: LMCache's own default chunk, and
+#: what every test stack and benchmark here runs with (named once; no import of torch here).
+DEFAULT_CHUNK_TOKENS = 256
+
 #: Who reads a setting: the server (``kvp-server``, the units), its L2 adapter, the vLLM side
 #: (``kvp-vllm`` and the connector inside vLLM), the operator's tool, or every command.
 SCOPES = {
@@ -121,7 +125,7 @@ SETTINGS: tuple[Setting, ...] = (
             "LRU eviction of L1 and L2 starts at this fraction of the size"),
     Setting("KVP_EVICTION_RATIO", "number", "0.1", "server",
             "the fraction of the size one eviction frees"),
-    Setting("KVP_CHUNK_SIZE", "int", "256", "server",
+    Setting("KVP_CHUNK_SIZE", "int", str(DEFAULT_CHUNK_TOKENS), "server",
             "tokens per KV chunk, the unit of storage and reuse (prompts shorter than one "
             "chunk are never stored); `kvp-vllm` passes it to the connector so an engine "
             "started before the server can attach later"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config.environment import process_env
+from ..config.registry import DEFAULT_CHUNK_TOKENS
 from ..serving.launcher.vllm_client import KVP_VLLM, VllmServer
 from ..serving.launcher.vllm_client import ChatResult as ChatResult
 from ..serving.launcher.vllm_client import chat as chat
@@ -20,7 +21,7 @@ from ..serving.launcher.vllm_client import metric_sum as metric_sum
 
 LAUNCHER = KVP_VLLM
 SERVED_MODEL_NAME = "tiny"
-PREFILL_STEP_TOKENS = 256  # LMCache's chunk size
+PREFILL_STEP_TOKENS = DEFAULT_CHUNK_TOKENS  # one LMCache chunk per prefill step
 
 
 def long_conversation(target_tokens: int = 900, topic: str = "the persistent KV cache"

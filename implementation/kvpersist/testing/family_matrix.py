@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config.registry import DEFAULT_CHUNK_TOKENS
 from ..config.server import load_settings
 from ..demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from ..demo.tiny_drafts import build_draft
@@ -63,7 +64,7 @@ HITS = "vllm:external_prefix_cache_hits_total"
 #: restored draft KV is the stored one, since every proposal then repeats
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
-CHUNK = 256
+CHUNK = DEFAULT_CHUNK_TOKENS
 REQUEST_TIMEOUT = 300.0
 
 

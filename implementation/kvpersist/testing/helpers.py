@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config.registry import BY_NAME
+from ..config.registry import BY_NAME, DEFAULT_CHUNK_TOKENS
 from ..config.server import DEFAULTS as SERVER_DEFAULTS
 from ..config.server import ServerSettings, load_settings
 from ..demo.stack import free_port
@@ -234,7 +234,7 @@ def tcp_listeners(pid: int) -> list[str]:
     return found
 
 
-def chunk_hashes(model_dir: Path, messages: list[dict[str, str]], chunk: int = 256
+def chunk_hashes(model_dir: Path, messages: list[dict[str, str]], chunk: int = DEFAULT_CHUNK_TOKENS
                  ) -> list[bytes]:
     """The chunk hashes LMCache keys a chat's full chunks by, in prompt order: the model's chat
     template (as vLLM renders it) and LMCache's own rolling hasher (blake3, no salt).  A test

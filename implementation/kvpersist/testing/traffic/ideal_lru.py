@@ -21,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ...config.registry import DEFAULT_CHUNK_TOKENS
+
 
 @dataclass(frozen=True)
 class Access:
@@ -44,7 +46,7 @@ class Replay:
 
 
 def replay_lru(trace: Iterable[Access], *, budget_bytes: int, chunk_bytes: int,
-               chunk_tokens: int = 256) -> Replay:
+               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Replay:
     """Replay ``trace`` through an LRU of ``budget_bytes`` holding chunks of ``chunk_bytes``."""
     if chunk_bytes <= 0 or chunk_tokens <= 0:
         raise ValueError("chunk_bytes and chunk_tokens must be positive")

@@ -29,12 +29,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ...config.registry import DEFAULT_CHUNK_TOKENS
 from ...serving.launcher.vllm_client import http_json
 
 #: The prefix vLLM gives a token returned as its id (``return_tokens_as_token_ids``).
 TOKEN_ID_PREFIX = "token_id:"
 #: The control reverses this many prompt tokens after the first (one LMCache chunk).
-CONTROL_CHUNK_TOKENS = 256
+CONTROL_CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS
 #: How far beyond the tolerance the control must move the scores for a judgement to count.
 CONTROL_MARGIN = 10.0
 

@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ...config.registry import DEFAULT_CHUNK_TOKENS
 from .ideal_lru import Access, replay_lru
 from .users import RequestRecord
 
@@ -41,7 +42,7 @@ def answered(records: Iterable[RequestRecord]) -> list[RequestRecord]:
 
 
 def hit_rates(records: Sequence[RequestRecord], *, window_s: float, chunk_bytes: int,
-              budgets: dict[str, int], chunk_tokens: int = 256) -> dict[str, Any]:
+              budgets: dict[str, int], chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> dict[str, Any]:
     """Measured hit rate (cached over prompt tokens) per window of ``window_s`` and over the
     run, beside what an ideal LRU of each of ``budgets`` (name → bytes) gives on the same
     requests in the same order."""
