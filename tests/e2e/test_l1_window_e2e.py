@@ -106,6 +106,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, wide_kv_model: Path) -> Iter
         stop_server(settings)
 
 
+#: LMCache's eviction thread's line when L1 is above its watermark (it then evicts).
+LMCACHE_EVICTS = "above watermark"
+
+
+def lmcache_evictions(settings: ServerSettings) -> int:
+    """How often LMCache's own L1 eviction thread has evicted, by the server log."""
+    return settings.log_file.read_text(errors="replace").count(LMCACHE_EVICTS)
+
+
 def restore(stack: Stack, topic: str) -> object:
     return chat(stack.vllm.base_url, long_conversation(TOKENS, topic), timeout=TIMEOUT)
 
@@ -136,11 +145,18 @@ def test_a_busy_l1_evicts_clean_chunks_for_a_restore(stack: Stack) -> None:
     assert busy.prompt_tokens // CHUNK == 2
     wait_for_l2_files(stack.settings.cache_root, len(TOPICS) * 13 + 2, timeout=120)
     evicted = server_counter(stack.settings, "kvpersist_restore_evicted_on_demand_total")
+    ticks = lmcache_evictions(stack.settings)
     topic = TOPICS[1]
     warm = restore(stack, topic)
     assert warm.cached_tokens == 13 * CHUNK  # type: ignore[attr-defined]
     assert_identical(warm, stack.cold[topic])
-    assert server_counter(stack.settings, "kvpersist_restore_evicted_on_demand_total") > evicted
+    # The busy chunks gave way: evicted on demand, or by LMCache's own eviction thread when its
+    # once-a-second wake-up came between the lookup's reservation and the retrieve's (seen
+    # on a loaded host, 2026-12-07). The rule on demand is measured alone, in process, by
+    # tests/serving/test_l1_eviction_on_demand.py.
+    on_demand = server_counter(stack.settings, "kvpersist_restore_evicted_on_demand_total")
+    assert on_demand > evicted or lmcache_evictions(stack.settings) > ticks, (
+        on_demand, evicted, ticks)
 
 
 def test_two_long_restores_at_once_are_both_served_in_full(stack: Stack) -> None:
