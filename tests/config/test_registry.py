@@ -25,6 +25,7 @@ PACKAGE = REPO / "implementation" / "kvpersist"
 NAME = re.compile(r"KVP?_[A-Z0-9_]+")
 #: Names that are not settings: identity pins keys, the tests' fault switches.
 NOT_SETTINGS = set(BY_ENV) | {"KVP_FAULT_STOP_IN_RETRIEVE_S", "KVP_FAULT_STOP_IN_STORE_S",
+                              "KVP_FAULT_STOP_IN_SECOND_STORE_S",
                               "KVP_FAULT_HOLD_L2_LOADS_WHILE", "KVP_FAULT_JOURNAL"}
 
 

@@ -17,6 +17,20 @@ cold (under another salt, so nothing is shared).
 The probe can fail: ``KVP_TEST_WITHOUT_STORE_FENCE=1`` runs the same test with the fence removed
 (a test-only ``sitecustomize`` in vLLM's processes); on 2026-12-03 it failed there, the
 preempted prompt's restored answer differing from its cold one.
+
+A finished request, the second test: LMCache 0.5.6 reports a request "finished sending" (vLLM
+then frees its blocks) once an *earlier* store of it settled, while its last prefill step's
+store is still being read.  With vLLM's prefix caching off, freed blocks go to the front of the
+free queue (vLLM reuses uncached blocks last-freed-first), so a request that is decoding takes
+them at its next block boundaries.  Prefill steps of a quarter chunk put steps that store
+nothing between the request's two stores (in them LMCache records the first as settled).  A ~600-token
+prompt finishes after one token while the server (``KVP_FAULT_STOP_IN_SECOND_STORE_S``) stops
+at its second store, the one of tokens 256-511; a short prompt decoding beside it grows into
+whatever blocks were freed while the server is stopped.  Once the server went on, each stored
+chunk's KV equals (within rounding; 0.0 apart when measured) the same prompt's stored alone
+under a salt.  ``KVP_TEST_WITHOUT_FINISHED_FENCE=1`` removes only that rule of the fence (the
+preemption rule stays); on 2026-12-07 the test failed there, the second chunk 19.4 apart from
+the right KV.
 """
 
 from __future__ import annotations
@@ -26,14 +40,21 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvpersist.config.server import ServerSettings
 from kvpersist.demo.stack import VllmProcess, http_json, metric_sum
+from kvpersist.l2.format import HEADER_SIZE
 from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing import fault_injection, lmcache_log
 from kvpersist.testing.fault_server import FAULT_ENTRY
-from kvpersist.testing.helpers import wait_for_stored_chat, wait_until, write_pins
+from kvpersist.testing.helpers import (
+    wait_for_l2_files,
+    wait_for_stored_chat,
+    wait_until,
+    write_pins,
+)
 
 pytestmark = pytest.mark.e2e
 CHUNK = 256
@@ -45,6 +66,20 @@ NO_FENCE = """\
 import kvpersist.serving.connector.worker.store_fence as _f
 _f.StoreFence.install = lambda self: None
 """
+NO_FINISHED_FENCE = """\
+import kvpersist.serving.connector.worker.store_fence as _f
+_f.StoreFence.finished = lambda self, inner, *args: inner(*args)
+"""
+#: The fence's log line when it withholds a finished request (store_fence.StoreFence.finished).
+WITHHELD = "finished while its last store is still being read"
+
+
+def without(rule: str, tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for vLLM with a test-only ``sitecustomize`` that removes ``rule`` of the fence."""
+    site = tmp_path / "no-fence"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(rule)
+    return {**env, "PYTHONPATH": str(site)}
 
 
 def text(topic: str, chars: int = 300) -> str:
@@ -83,10 +118,7 @@ def test_a_preempted_request_s_store_is_read_before_its_blocks_are_reused(
     pins = write_pins(tmp_path / "pins.env", max_model_len=str(MAX_LEN))
     vllm_env = {**server_env, "KVP_MQ_TIMEOUT_S": "2", "KVP_MP_TRANSFER_MODE": "lmcache_driven"}
     if os.environ.get("KVP_TEST_WITHOUT_STORE_FENCE") == "1":
-        site = tmp_path / "no-fence"
-        site.mkdir()
-        (site / "sitecustomize.py").write_text(NO_FENCE)
-        vllm_env["PYTHONPATH"] = str(site)
+        vllm_env = without(NO_FENCE, tmp_path, vllm_env)
     prompts = {name: text(f"preemption {name}") for name in ("a", "b", "c")}
 
     journal = tmp_path / "faults.log"
@@ -145,5 +177,93 @@ def test_a_preempted_request_s_store_is_read_before_its_blocks_are_reused(
             restored = complete(vllm.base_url, [prompt], max_tokens=16)
             assert cached(restored) == (tokens - 1) // CHUNK * CHUNK, (name, restored["usage"])
             assert answer(restored) == answer(cold), name
+    finally:
+        vllm.kill()
+
+
+#: The finished request: 600 tokens, so its second chunk (tokens 256-511) fills two whole blocks
+#: and a fifth block holds the rest (freed first, taken first).
+FINISHED_TOKENS = 600
+DECODING_TOKENS = 100  # the request that grows: no full chunk of its own prompt to store
+#: The decoding request's length: it must still grow by two blocks (one per 128 tokens, the
+#: freed ones first) after the finished request's end, a few hundred tokens into its decode.
+DECODE_MAX = 1800
+FINISHED_STOP_S = 15.0
+#: Prefill steps of a quarter chunk: steps that complete no chunk come between the request's two
+#: stores, and in them LMCache records the first store as settled (the hole needs that record).
+STEP_TOKENS = 64
+#: The stored KV against the same prompt's stored alone: computed in other step splits, equal
+#: but for rounding (measured below 1e-5); another request's KV differs by far more.
+KV_TOLERANCE = 1e-3
+
+
+def payloads(root: Path, salted: bool) -> dict[str, np.ndarray]:
+    """The float32 KV of each chunk file under ``root`` (a cache salt in its name or not)."""
+    return {p.name: np.frombuffer(p.read_bytes()[HEADER_SIZE:], dtype=np.float32)
+            for p in sorted(root.glob("*.kvp")) if ("@" in p.name) == salted}
+
+
+def test_a_finished_request_s_last_store_is_read_before_its_blocks_are_reused(
+        tiny_model: Path, tmp_path: Path, server_env: dict[str, str],
+        settings: ServerSettings) -> None:
+    pins = write_pins(tmp_path / "pins.env")
+    vllm_env = {**server_env, "KVP_MQ_TIMEOUT_S": "2", "KVP_MP_TRANSFER_MODE": "lmcache_driven"}
+    if os.environ.get("KVP_TEST_WITHOUT_FINISHED_FENCE") == "1":
+        vllm_env = without(NO_FINISHED_FENCE, tmp_path, vllm_env)
+    finished = text("a finished request", FINISHED_TOKENS)
+    decoding = text("a decoding request", DECODING_TOKENS)
+
+    journal = tmp_path / "faults.log"
+    start_server(settings, env={**os.environ,
+                                fault_injection.STOP_IN_SECOND_STORE: str(FINISHED_STOP_S),
+                                fault_injection.JOURNAL: str(journal)}, entry=FAULT_ENTRY)
+    log = tmp_path / "vllm-finished.log"
+    vllm = VllmProcess(tiny_model, pins, log, vllm_env, extra_args=[
+        "--no-enable-prefix-caching", "--max-num-batched-tokens", str(STEP_TOKENS)])
+    try:
+        vllm.start()
+        replies: dict[str, dict[str, Any]] = {}
+
+        def decode() -> None:
+            replies["decoding"] = complete(vllm.base_url, [decoding], max_tokens=DECODE_MAX,
+                                           ignore_eos=True)
+
+        grower = threading.Thread(target=decode, daemon=True)
+        grower.start()
+        wait_until(lambda: metric_sum(vllm.metrics(), "vllm:num_requests_running") >= 1,
+                   timeout=60, message="the decoding request never ran")
+        # It finishes in the step that stores its second chunk, where the server stops; the
+        # decoding request grows on, into whatever blocks were freed.
+        replies["finished"] = complete(vllm.base_url, [finished], max_tokens=1)
+        tokens = int(replies["finished"]["usage"]["prompt_tokens"])
+        assert 2 * CHUNK < tokens < 2 * CHUNK + 128, tokens
+        wait_until(lambda: journal.exists() and "go" in journal.read_text().split(),
+                   timeout=FINISHED_STOP_S + 60,
+                   message="the server never stopped and went on in the second store")
+        assert journal.read_text().split()[1::3] == ["stop", "go"], journal.read_text()
+        grower.join(300)
+        assert set(replies) == {"decoding", "finished"}
+        stored = wait_for_l2_files(settings.cache_root, 2)  # both chunks, the second after the stop
+        assert len(stored) == 2, stored
+
+        # The same prompt alone, under a salt (its own keys), stores the reference KV, once
+        # both heartbeats call the server healthy again (stores are skipped until then).
+        wait_until(lambda: lmcache_log.count(log, lmcache_log.HEALTHY_AGAIN) >= HEARTBEATS,
+                   timeout=60, message="vLLM's heartbeats never saw the server again")
+        def reference() -> None:
+            complete(vllm.base_url, [finished], max_tokens=1, cache_salt="reference")
+
+        reference()
+        wait_for_stored_chat(settings.cache_root, 4, reference)
+        served, reference = (payloads(settings.cache_root, salted) for salted in (False, True))
+        assert len(served) == len(reference) == 2
+        gaps = {name: min(float(np.abs(kv - ref).max()) for ref in reference.values())
+                for name, kv in served.items()}
+        assert all(gap <= KV_TOLERANCE for gap in gaps.values()), gaps
+        # the comparison tells chunks apart: the two reference chunks differ by far more
+        first, second = reference.values()
+        assert float(np.abs(first - second).max()) > 100 * KV_TOLERANCE
+        # the race was there: the fence held the finished request back while its store waited
+        assert WITHHELD in log.read_text(errors="replace")
     finally:
         vllm.kill()

@@ -22,6 +22,27 @@ def test_unset_faults_change_nothing_and_malformed_ones_are_refused() -> None:
         fault_injection.stop_seconds({fault_injection.STOP_IN_RETRIEVE: "soon"})
 
 
+def test_the_two_store_stops_cannot_be_combined() -> None:
+    with pytest.raises(ValueError, match="set one of them"):
+        fault_injection.install({fault_injection.STOP_IN_STORE: "5",
+                                 fault_injection.STOP_IN_SECOND_STORE: "5"})
+
+
+def test_the_second_store_stop_waits_for_a_request_seen_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    stops: list[float] = []
+    monkeypatch.setattr(fault_injection, "stop_process", stops.append)
+    stopper = fault_injection._RepeatedRequestStopper(7.0)
+    for request_id in ("a", "b", "c"):  # each request's first store goes through
+        stopper(request_id)
+    assert stops == []
+    stopper("b")  # b's second store: the stop
+    assert stops == [7.0]
+    for request_id in ("a", "b", "c", "d"):  # once per process
+        stopper(request_id)
+    assert stops == [7.0]
+
+
 def test_the_hold_names_the_adapters_load() -> None:
     import importlib
 

@@ -19,6 +19,12 @@ running when it stops): a server that reads a store late, past every timeout and
 heartbeat silent, made deterministic (the store fence's subject).  Journaled like the
 retrieve stop.
 
+``KVP_FAULT_STOP_IN_SECOND_STORE_S=N`` (tests only): the same stop at the first store of a
+request the server has stored once already (once per process): the request's earlier store
+settled and this one is in flight, the state in which LMCache 0.5.6 already reports the request
+"finished sending" (the store fence's finished-request rule).  Journaled like the others; it
+cannot be combined with ``KVP_FAULT_STOP_IN_STORE_S`` (both wrap the same handler).
+
 ``KVP_FAULT_HOLD_L2_LOADS_WHILE=PATH`` (tests only): every L2 load of kvpersist's adapter waits,
 before it reads a file, while ``PATH`` exists (at most ``HOLD_MAX_S``).  Its L1 buffers are
 reserved and nothing moves: the stalled load a connector gives up, made deterministic; removing
@@ -43,6 +49,7 @@ from typing import Any
 
 STOP_IN_RETRIEVE = "KVP_FAULT_STOP_IN_RETRIEVE_S"
 STOP_IN_STORE = "KVP_FAULT_STOP_IN_STORE_S"
+STOP_IN_SECOND_STORE = "KVP_FAULT_STOP_IN_SECOND_STORE_S"
 #: (module, class, method) of the server's read of a store out of vLLM's KV memory.
 STORE_HANDLER = ("lmcache.v1.multiprocess.modules.lmcache_driven_transfer",
                  "LMCacheDrivenTransferModule", "store_with_chunk_mask")
@@ -133,6 +140,26 @@ class _SecondRequestStopper:
         stop_process(self.seconds)
 
 
+class _RepeatedRequestStopper:
+    """Stops once, at the first call for a request id already seen in an earlier call."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._done = False
+
+    def __call__(self, request_id: str) -> None:
+        with self._lock:
+            if self._done:
+                return
+            if request_id not in self._seen:
+                self._seen.add(request_id)
+                return
+            self._done = True
+        stop_process(self.seconds)
+
+
 def _stopping(handler: Callable[..., Any], stop: Callable[[str], None]) -> Callable[..., Any]:
     @functools.wraps(handler)  # keeps LMCache's handler registration attributes
     def stopped_first(module: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
@@ -172,17 +199,27 @@ def install(environ: Mapping[str, str] | None = None) -> float | None:
     env = os.environ if environ is None else environ
     seconds = stop_seconds(env)
     store_stop = stop_seconds(env, STOP_IN_STORE)
+    second_store_stop = stop_seconds(env, STOP_IN_SECOND_STORE)
     hold = hold_path(env)
-    if store_stop is not None:
+    if store_stop is not None and second_store_stop is not None:
+        raise ValueError(f"{STOP_IN_STORE} and {STOP_IN_SECOND_STORE} stop the same handler: "
+                         "set one of them")
+    if store_stop is not None or second_store_stop is not None:
         import importlib
 
         module_name, class_name, method = STORE_HANDLER
         cls = getattr(importlib.import_module(module_name), class_name)
-        setattr(cls, method, _stopping(getattr(cls, method), _SecondRequestStopper(store_stop)))
-        print(f"kvpersist: FAULT INJECTION ({STOP_IN_STORE}={store_stop:g}): the second "
-              "request's first store stops the server before it reads vLLM's KV blocks; for "
-              "tests only",
-              file=sys.stderr, flush=True)
+        if store_stop is not None:
+            stopper: Callable[[str], None] = _SecondRequestStopper(store_stop)
+            what = f"{STOP_IN_STORE}={store_stop:g}): the second request's first store"
+        else:
+            assert second_store_stop is not None
+            stopper = _RepeatedRequestStopper(second_store_stop)
+            what = (f"{STOP_IN_SECOND_STORE}={second_store_stop:g}): the first request's "
+                    "second store")
+        setattr(cls, method, _stopping(getattr(cls, method), stopper))
+        print(f"kvpersist: FAULT INJECTION ({what} stops the server before it reads vLLM's KV "
+              "blocks; for tests only", file=sys.stderr, flush=True)
     if hold is not None:
         import importlib
 
