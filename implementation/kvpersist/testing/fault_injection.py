@@ -21,8 +21,8 @@ retrieve stop.
 
 ``KVP_FAULT_STOP_IN_SECOND_STORE_S=N`` (tests only): the same stop at the first store of a
 request the server has stored once already (once per process): the request's earlier store
-settled and this one is in flight, the state in which LMCache 0.5.6 already reports the request
-"finished sending" (the store fence's finished-request rule).  Journaled like the others; it
+settled and this one is in flight, the state in which LMCache 0.5.6 may already report the
+request "finished sending" (the store fence's finished-request rule).  Journaled like the others; it
 cannot be combined with ``KVP_FAULT_STOP_IN_STORE_S`` (both wrap the same handler).
 
 ``KVP_FAULT_HOLD_L2_LOADS_WHILE=PATH`` (tests only): every L2 load of kvpersist's adapter waits,
@@ -215,8 +215,8 @@ def install(environ: Mapping[str, str] | None = None) -> float | None:
         else:
             assert second_store_stop is not None
             stopper = _RepeatedRequestStopper(second_store_stop)
-            what = (f"{STOP_IN_SECOND_STORE}={second_store_stop:g}): the first request's "
-                    "second store")
+            what = (f"{STOP_IN_SECOND_STORE}={second_store_stop:g}): the first store of a "
+                    "request stored once already")
         setattr(cls, method, _stopping(getattr(cls, method), stopper))
         print(f"kvpersist: FAULT INJECTION ({what} stops the server before it reads vLLM's KV "
               "blocks; for tests only", file=sys.stderr, flush=True)
