@@ -18,38 +18,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation
 from kvpersist.demo.tiny_model import build_tiny_model
+from kvpersist.testing.busy_host import busy_loops
 from kvpersist.testing.helpers import TINY_PINS
-
-
-def _spin() -> None:
-    while True:
-        pass
-
-
-@contextlib.contextmanager
-def busy_loops(count: int) -> Iterator[None]:
-    """``count`` processes spinning on a core each, stopped on exit."""
-    procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(count)]
-    for p in procs:
-        p.start()
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.terminate()
-            p.join(timeout=5)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,16 +20,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
-import multiprocessing
 import shutil
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +35,7 @@ from kvpersist.demo.stack import ChatResult, VllmProcess, chat, long_conversatio
 from kvpersist.demo.tiny_model import build_tiny_model
 from kvpersist.l2.format import HEADER_SIZE
 from kvpersist.serving.server.lifecycle import start_server, stop_server
+from kvpersist.testing.busy_host import busy_loops
 from kvpersist.testing.helpers import (
     TINY_PINS,
     chunk_hashes,
@@ -63,25 +61,6 @@ def same(a: ChatResult, b: ChatResult) -> bool:
 
 def hits(vllm: VllmProcess) -> int:
     return int(metric_sum(vllm.metrics(), "vllm:external_prefix_cache_hits_total"))
-
-
-@contextlib.contextmanager
-def busy_loops(count: int) -> Iterator[None]:
-    """``count`` processes spinning on a core each, stopped on exit."""
-    procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(count)]
-    for p in procs:
-        p.start()
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.terminate()
-            p.join(timeout=5)
-
-
-def _spin() -> None:
-    while True:
-        pass
 
 
 def reference(model: Path, work: Path, messages: list[dict[str, str]]
