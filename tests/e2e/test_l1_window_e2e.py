@@ -28,6 +28,7 @@ from kvpersist.config.server import ServerSettings, load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation, metric_sum
 from kvpersist.serving import http
 from kvpersist.serving.server.lifecycle import start_server, stop_server
+from kvpersist.testing import lmcache_log
 from kvpersist.testing.helpers import (
     clear_l1,
     l2_files,
@@ -106,13 +107,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, wide_kv_model: Path) -> Iter
         stop_server(settings)
 
 
-#: LMCache's eviction thread's line when L1 is above its watermark (it then evicts).
+#: The server log's line when LMCache's own L1 eviction thread finds L1 above its watermark
+#: (it then evicts).
 LMCACHE_EVICTS = "above watermark"
-
-
-def lmcache_evictions(settings: ServerSettings) -> int:
-    """How often LMCache's own L1 eviction thread has evicted, by the server log."""
-    return settings.log_file.read_text(errors="replace").count(LMCACHE_EVICTS)
 
 
 def restore(stack: Stack, topic: str) -> object:
@@ -145,7 +142,7 @@ def test_a_busy_l1_evicts_clean_chunks_for_a_restore(stack: Stack) -> None:
     assert busy.prompt_tokens // CHUNK == 2
     wait_for_l2_files(stack.settings.cache_root, len(TOPICS) * 13 + 2, timeout=120)
     evicted = server_counter(stack.settings, "kvpersist_restore_evicted_on_demand_total")
-    ticks = lmcache_evictions(stack.settings)
+    ticks = lmcache_log.count(stack.settings.log_file, LMCACHE_EVICTS)
     topic = TOPICS[1]
     warm = restore(stack, topic)
     assert warm.cached_tokens == 13 * CHUNK  # type: ignore[attr-defined]
@@ -155,7 +152,7 @@ def test_a_busy_l1_evicts_clean_chunks_for_a_restore(stack: Stack) -> None:
     # on a loaded host, 2026-12-07). The rule on demand is measured alone, in process, by
     # tests/serving/test_l1_eviction_on_demand.py.
     on_demand = server_counter(stack.settings, "kvpersist_restore_evicted_on_demand_total")
-    assert on_demand > evicted or lmcache_evictions(stack.settings) > ticks, (
+    assert on_demand > evicted or lmcache_log.count(stack.settings.log_file, LMCACHE_EVICTS) > ticks, (
         on_demand, evicted, ticks)
 
 

@@ -50,6 +50,7 @@ from kvpersist.serving.server.lifecycle import start_server, stop_server
 from kvpersist.testing import fault_injection, lmcache_log
 from kvpersist.testing.fault_server import FAULT_ENTRY
 from kvpersist.testing.helpers import (
+    l2_data_files,
     wait_for_l2_files,
     wait_for_stored_chat,
     wait_until,
@@ -200,7 +201,7 @@ KV_TOLERANCE = 1e-3
 def payloads(root: Path, salted: bool) -> dict[str, np.ndarray]:
     """The float32 KV of each chunk file under ``root`` (a cache salt in its name or not)."""
     return {p.name: np.frombuffer(p.read_bytes()[HEADER_SIZE:], dtype=np.float32)
-            for p in sorted(root.glob("*.kvp")) if ("@" in p.name) == salted}
+            for p in l2_data_files(root) if ("@" in p.name) == salted}
 
 
 def test_a_finished_request_s_last_store_is_read_before_its_blocks_are_reused(
@@ -250,18 +251,19 @@ def test_a_finished_request_s_last_store_is_read_before_its_blocks_are_reused(
         # both heartbeats call the server healthy again (stores are skipped until then).
         wait_until(lambda: lmcache_log.count(log, lmcache_log.HEALTHY_AGAIN) >= HEARTBEATS,
                    timeout=60, message="vLLM's heartbeats never saw the server again")
-        def reference() -> None:
+
+        def store_alone() -> None:
             complete(vllm.base_url, [finished], max_tokens=1, cache_salt="reference")
 
-        reference()
-        wait_for_stored_chat(settings.cache_root, 4, reference)
-        served, reference = (payloads(settings.cache_root, salted) for salted in (False, True))
-        assert len(served) == len(reference) == 2
-        gaps = {name: min(float(np.abs(kv - ref).max()) for ref in reference.values())
+        store_alone()
+        wait_for_stored_chat(settings.cache_root, 4, store_alone)
+        served, alone = (payloads(settings.cache_root, salted) for salted in (False, True))
+        assert len(served) == len(alone) == 2
+        gaps = {name: min(float(np.abs(kv - ref).max()) for ref in alone.values())
                 for name, kv in served.items()}
         assert all(gap <= KV_TOLERANCE for gap in gaps.values()), gaps
         # the comparison tells chunks apart: the two reference chunks differ by far more
-        first, second = reference.values()
+        first, second = alone.values()
         assert float(np.abs(first - second).max()) > 100 * KV_TOLERANCE
         # the race was there: the fence held the finished request back while its store waited
         assert WITHHELD in log.read_text(errors="replace")
