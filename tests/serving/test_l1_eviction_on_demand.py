@@ -25,6 +25,7 @@ from lmcache.v1.distributed.eviction_policy.lru import LRUEvictionPolicy
 from lmcache.v1.distributed.l1_manager import L1Manager
 from lmcache.v1.distributed.storage_controllers.eviction_controller import L1EvictionController
 
+from kvpersist.serving.lmcache_compat import l1_internals
 from kvpersist.serving.lmcache_compat.l1_window import eviction
 from kvpersist.serving.lmcache_compat.l1_window.state import WindowState, layout_bytes
 
@@ -62,7 +63,7 @@ class Setup:
         return {n: results[key(n)][0].name for n in numbers}
 
     def resident(self) -> set[int]:
-        return {int.from_bytes(bytes(k.chunk_hash), "big") for k in self.l1._objects}
+        return {int.from_bytes(bytes(k.chunk_hash), "big") for k in l1_internals.l1_objects(self.l1)}
 
 
 @pytest.fixture
