@@ -23,7 +23,11 @@ then frees its blocks) once an *earlier* store of it settled, while its last pre
 store is still being read.  With vLLM's prefix caching off, freed blocks go to the front of the
 free queue (vLLM reuses uncached blocks last-freed-first), so a request that is decoding takes
 them at its next block boundaries.  Prefill steps of a quarter chunk put steps that store
-nothing between the request's two stores (in them LMCache records the first as settled).  A ~600-token
+nothing between the request's two stores (in them LMCache records the first as settled).
+That record is a race between the server's read and the engine's steps: the project's CI of
+2026-12-07 lost it (the KV was right, but the fence never had to withhold anything), so a
+test-only hook (:mod:`kvpersist.testing.store_settling`) has each step wait for the stores in
+flight unless the fault journal shows the server stopped.  A ~600-token
 prompt finishes after one token while the server (``KVP_FAULT_STOP_IN_SECOND_STORE_S``) stops
 at its second store, the one of tokens 256-511; a short prompt decoding beside it grows into
 whatever blocks were freed while the server is stopped.  Once the server went on, each stored
@@ -77,10 +81,23 @@ WITHHELD = "finished while its last store is still being read"
 
 def without(rule: str, tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
     """``env`` for vLLM with a test-only ``sitecustomize`` that removes ``rule`` of the fence."""
-    site = tmp_path / "no-fence"
+    return with_site(rule, tmp_path, env)
+
+
+def with_site(code: str, tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for vLLM with a test-only ``sitecustomize`` that runs ``code``."""
+    site = tmp_path / "site"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(rule)
+    (site / "sitecustomize.py").write_text(code)
     return {**env, "PYTHONPATH": str(site)}
+
+
+def settling_stores(journal: Path) -> str:
+    """``sitecustomize`` code: the worker's steps see each store answered unless the server is
+    stopped (:mod:`kvpersist.testing.store_settling`)."""
+    return ("from pathlib import Path\n"
+            "from kvpersist.testing import store_settling\n"
+            f"store_settling.install(Path({str(journal)!r}))\n")
 
 
 def text(topic: str, chars: int = 300) -> str:
@@ -190,8 +207,8 @@ DECODING_TOKENS = 100  # the request that grows: no full chunk of its own prompt
 #: freed ones first) after the finished request's end, a few hundred tokens into its decode.
 DECODE_MAX = 1800
 FINISHED_STOP_S = 15.0
-#: Prefill steps of a quarter chunk: steps that complete no chunk come between the request's two
-#: stores, and in them LMCache records the first store as settled (the hole needs that record).
+#: Prefill steps of a quarter chunk: the finished request's prefill spans several steps, so the
+#: decoding request takes a block at each boundary it reaches meanwhile.
 STEP_TOKENS = 64
 #: The stored KV against the same prompt's stored alone: computed in other step splits, equal
 #: but for rounding (measured below 1e-5); another request's KV differs by far more.
@@ -208,13 +225,16 @@ def test_a_finished_request_s_last_store_is_read_before_its_blocks_are_reused(
         tiny_model: Path, tmp_path: Path, server_env: dict[str, str],
         settings: ServerSettings) -> None:
     pins = write_pins(tmp_path / "pins.env")
-    vllm_env = {**server_env, "KVP_MQ_TIMEOUT_S": "2", "KVP_MP_TRANSFER_MODE": "lmcache_driven"}
+    journal = tmp_path / "faults.log"
+    # The first store is recorded settled before the second is sent, on any host's timing.
+    site = settling_stores(journal)
     if os.environ.get("KVP_TEST_WITHOUT_FINISHED_FENCE") == "1":
-        vllm_env = without(NO_FINISHED_FENCE, tmp_path, vllm_env)
+        site += NO_FINISHED_FENCE
+    vllm_env = with_site(site, tmp_path, {**server_env, "KVP_MQ_TIMEOUT_S": "2",
+                                          "KVP_MP_TRANSFER_MODE": "lmcache_driven"})
     finished = text("a finished request", FINISHED_TOKENS)
     decoding = text("a decoding request", DECODING_TOKENS)
 
-    journal = tmp_path / "faults.log"
     start_server(settings, env={**os.environ,
                                 fault_injection.STOP_IN_SECOND_STORE: str(FINISHED_STOP_S),
                                 fault_injection.JOURNAL: str(journal)}, entry=FAULT_ENTRY)
