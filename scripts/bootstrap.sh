@@ -33,8 +33,19 @@ build_extensions() {
   rm -f "$log"
 }
 
+# Every process the demo and the tests start (servers, vLLM's engine and workers, kvp-admin)
+# imports kvpersist; where PYTHONDONTWRITEBYTECODE is set (these hosts set it) none of them would
+# write its bytecode, and each would compile the package again (about 0.2 s of CPU each, some
+# hundreds of processes per test run).  Python still reads bytecode written beforehand, and
+# ignores it once the source is newer.
+compile_bytecode() {
+  "$venv/bin/python" -m compileall -q -j 0 "$here/implementation/kvpersist" >/dev/null \
+    || echo "bootstrap: kvpersist's bytecode was not compiled (every import compiles it)" >&2
+}
+
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
   build_extensions
+  compile_bytecode
   exit 0
 fi
 echo "bootstrap: installing the pinned environment into $venv (first time: a few minutes)" >&2
@@ -51,4 +62,5 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 echo "$want" > "$stamp"
 rm -f "$venv/.kvp-ext-digest"
 build_extensions
+compile_bytecode
 echo "bootstrap: ready" >&2
