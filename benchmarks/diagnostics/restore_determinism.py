@@ -19,6 +19,8 @@ Usage::
 
     .venv/bin/python benchmarks/diagnostics/restore_determinism.py --rounds 40 --busy 2 \\
         --json benchmarks/results/restore-determinism.json
+    .venv/bin/python benchmarks/diagnostics/restore_determinism.py --restart --rounds 10 \\
+        --json benchmarks/results/restore-determinism-restarts.json
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1200, help="the chat's length (1200)")
     parser.add_argument("--mode", choices=("lmcache_driven", "engine_driven"),
                         help="KVP_MP_TRANSFER_MODE for vLLM (default: the site's)")
+    parser.add_argument("--restart", action="store_true",
+                        help="restart the server and vLLM before every restore (L1 empty; the "
+                             "restore is the new engine's first request, as in "
+                             "test_kv_writer_e2e.py), vLLM started under that round's load")
     parser.add_argument("--json", type=Path, help="write the rounds here")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -71,15 +77,22 @@ def main(argv: list[str] | None = None) -> int:
                 busy = args.busy if i % 2 else 0
                 control = i % 4 == 0
                 from_l2 = not control and (i // 2) % 2 == 1
-                if from_l2:
+                if from_l2 and not args.restart:
                     clear_l1(settings)
                 with busy_loops(busy):
+                    if args.restart and not control:
+                        vllm.kill()
+                        stop_server(settings)
+                        start_server(settings)
+                        vllm = VllmProcess(model, pins, Path(tmp) / f"vllm-{i}.log", env,
+                                           extra_args=["--no-enable-prefix-caching"])
+                        vllm.start()
                     answer = chat(vllm.base_url, messages,
                                   cache_salt=f"control-{i}" if control else None)
                 gap = max((abs(a - b) for a, b in zip(answer.logprobs, cold.logprobs,
                                                        strict=False)), default=0.0)
-                row = {"round": i, "busy": busy, "kind": "control" if control else
-                       ("l2" if from_l2 else "l1"), "cached_tokens": answer.cached_tokens,
+                kind = "control" if control else ("l2" if from_l2 or args.restart else "l1")
+                row = {"round": i, "busy": busy, "kind": kind, "cached_tokens": answer.cached_tokens,
                        "same_tokens": answer.tokens == cold.tokens,
                        "bit_identical": answer.logprobs == cold.logprobs,
                        "max_logprob_gap": gap}
@@ -94,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: {len(differing)} of {len(mine)} answers differ from the cold one "
               f"({sum(1 for r in differing if r['busy'])} of them under load)")
     if args.json:
-        args.json.write_text(json.dumps({"mode": args.mode, "rows": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"mode": args.mode, "restart": args.restart,
+                                         "rows": rows}, indent=2) + "\n")
     return 0
 
 
