@@ -27,6 +27,7 @@ from typing import Any
 
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation
 from kvpersist.demo.tiny_model import build_tiny_model
+from kvpersist.testing.answer_diff import difference, differing_line
 from kvpersist.testing.busy_host import busy_loops
 from kvpersist.testing.helpers import TINY_PINS
 
@@ -64,20 +65,13 @@ def main(argv: list[str] | None = None) -> int:
                     answer = chat(vllm.base_url, messages, cache_salt=f"round-{i}")
                 if first is None:
                     first = answer
-                gap = max((abs(a - b) for a, b in zip(answer.logprobs, first.logprobs,
-                                                       strict=False)), default=0.0)
                 row = {"round": i, "busy": busy, "new_engine": i == 0 or args.restart,
-                       "cached_tokens": answer.cached_tokens,
-                       "same_tokens": answer.tokens == first.tokens,
-                       "bit_identical": answer.logprobs == first.logprobs,
-                       "max_logprob_gap": gap}
+                       **difference(answer, first)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
             vllm.kill()
-    differing = [r for r in rows if not r["bit_identical"]]
-    print(f"{len(differing)} of {len(rows)} answers differ from the first "
-          f"({sum(1 for r in differing if r['busy'])} of them under load)")
+    print(differing_line(rows, "the first"))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
     return 0

@@ -37,6 +37,7 @@ from kvpersist.config.server import load_settings
 from kvpersist.demo.stack import VllmProcess, chat, long_conversation
 from kvpersist.demo.tiny_model import build_tiny_model
 from kvpersist.serving.server.lifecycle import start_server, stop_server
+from kvpersist.testing.answer_diff import difference, differing_line
 from kvpersist.testing.busy_host import busy_loops
 from kvpersist.testing.helpers import clear_l1, pins_for_model, server_env, wait_for_l2_files
 
@@ -89,23 +90,15 @@ def main(argv: list[str] | None = None) -> int:
                         vllm.start()
                     answer = chat(vllm.base_url, messages,
                                   cache_salt=f"control-{i}" if control else None)
-                gap = max((abs(a - b) for a, b in zip(answer.logprobs, cold.logprobs,
-                                                       strict=False)), default=0.0)
                 kind = "control" if control else ("l2" if from_l2 or args.restart else "l1")
-                row = {"round": i, "busy": busy, "kind": kind, "cached_tokens": answer.cached_tokens,
-                       "same_tokens": answer.tokens == cold.tokens,
-                       "bit_identical": answer.logprobs == cold.logprobs,
-                       "max_logprob_gap": gap}
+                row = {"round": i, "busy": busy, "kind": kind, **difference(answer, cold)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
             vllm.kill()
             stop_server(settings)
     for kind in ("l1", "l2", "control"):
-        mine = [r for r in rows if r["kind"] == kind]
-        differing = [r for r in mine if not r["bit_identical"]]
-        print(f"{kind}: {len(differing)} of {len(mine)} answers differ from the cold one "
-              f"({sum(1 for r in differing if r['busy'])} of them under load)")
+        print(f"{kind}: " + differing_line((r for r in rows if r["kind"] == kind), "the cold one"))
     if args.json:
         args.json.write_text(json.dumps({"mode": args.mode, "restart": args.restart,
                                          "rows": rows}, indent=2) + "\n")

@@ -43,10 +43,6 @@ CHUNK = 256
 HELD = "its blocks are held until the server answers or exits"  # the fence's log line
 
 
-def journal_events(path: Path) -> list[str]:
-    return [line.split()[1] for line in path.read_text().splitlines()] if path.exists() else []
-
-
 @pytest.mark.parametrize(("mode", "tp"), [
     ("lmcache_driven", 1), pytest.param("lmcache_driven", 2, marks=ALONE),
     ("engine_driven", 1), pytest.param("engine_driven", 2, marks=ALONE)])
@@ -75,7 +71,7 @@ def test_a_load_given_up_by_the_heartbeat_is_never_written_late(
     try:
         vllm.start()
         cold = stored_cold(vllm, settings, messages, tp)
-        assert cold.cached_tokens == 0 and journal_events(journal) == []
+        assert cold.cached_tokens == 0 and fault_injection.journal_events(journal) == []
         full = (cold.prompt_tokens - 1) // CHUNK * CHUNK
 
         # 2. stopped mid-retrieve past the heartbeat's limit, then it writes: waited for
@@ -83,7 +79,7 @@ def test_a_load_given_up_by_the_heartbeat_is_never_written_late(
         warm = chat(vllm.base_url, messages, timeout=300)
         print(f"\n{mode} tp{tp}: restore through a {STOP_S:g}s stop took "
               f"{time.monotonic() - began:.1f}s, cached {warm.cached_tokens}")
-        assert journal_events(journal)[:2] == ["stop", "go"], journal.read_text()
+        assert fault_injection.journal_events(journal)[:2] == ["stop", "go"], journal.read_text()
         vllm_log = log.read_text(errors="replace")
         assert lmcache_log.UNHEALTHY in vllm_log, ("the heartbeat never called the stopped server "
                                        "unhealthy: the race was not provoked")
@@ -128,7 +124,7 @@ def killed_mid_retrieve(vllm: VllmProcess, settings: ServerSettings, journal: Pa
         return lmcache_log.count(log, lmcache_log.REREGISTERED) >= tp
 
     wait_until(recovered, timeout=60, interval=0.2)
-    stops = journal_events(journal).count("stop")
+    stops = fault_injection.journal_events(journal).count("stop")
     pid = server_pid(settings)
     killer_began = time.monotonic()
 
@@ -137,7 +133,7 @@ def killed_mid_retrieve(vllm: VllmProcess, settings: ServerSettings, journal: Pa
     def kill_when_stopped() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if journal_events(journal).count("stop") > stops:
+            if fault_injection.journal_events(journal).count("stop") > stops:
                 assert kill_server(settings) == pid  # SIGKILL; returns once it has exited
                 killed.set()
                 return

@@ -86,3 +86,10 @@ def test_only_the_testing_entry_point_reads_fault_variables(tmp_path: Path) -> N
         start_server(settings, env=env, entry=FAULT_ENTRY)
     start_server(settings, env=env)
     stop_server(settings)
+
+
+def test_the_journal_reads_as_its_events_in_order(tmp_path: Path) -> None:
+    journal = tmp_path / "faults.log"
+    assert fault_injection.journal_events(journal) == []  # nothing journaled yet
+    journal.write_text("1.0 stop 42\n2.0 go 42\n3.0")  # the last line still being appended
+    assert fault_injection.journal_events(journal) == ["stop", "go"]

@@ -18,9 +18,10 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import LMCacheMPWorkerA
 from lmcache.v1.multiprocess.futures import MessagingFuture
 
 from kvpersist.serving.connector.metrics import KvPersistConnectorStats
-from kvpersist.serving.connector.worker.load_fence import FINISHED_METHODS, LoadFence
+from kvpersist.serving.connector.worker.load_fence import LoadFence
 from kvpersist.serving.connector.worker.served_prefix import ServedPrefixKeeper
 from kvpersist.serving.connector.worker.server_process import ServerProcess
+from kvpersist.serving.lmcache_compat.adapters import FINISHED_METHODS
 
 
 class Clock:

@@ -89,6 +89,16 @@ def _journal(event: str) -> None:
             out.write(f"{time.time():.6f} {event} {os.getpid()}\n")
 
 
+def journal_events(path: Path) -> list[str]:
+    """The events of a fault journal (``stop``, ``go``) in order; none before it exists (a line
+    still being appended, without its event yet, is not one)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [fields[1] for fields in map(str.split, text.splitlines()) if len(fields) > 1]
+
+
 def stop_process(seconds: float) -> None:
     """Stop this process for ``seconds``: a detached helper sends SIGCONT afterwards."""
     pid = os.getpid()

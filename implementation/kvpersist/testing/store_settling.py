@@ -29,26 +29,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..serving.lmcache_compat import adapters as lmcache_adapters
+from .fault_injection import journal_events
+
 #: The longest one ``get_finished`` call waits for the stores in flight.
 MAX_WAIT_S = 30.0
 POLL_S = 0.01
-FINISHED_METHODS = ("get_finished", "get_finished_with_lazy_offload")
 
 
 def server_stopped(journal: Path) -> bool:
     """Whether the fault journal's last stop has no ``go`` after it yet."""
-    try:
-        events = journal.read_text().split()[1::3]
-    except FileNotFoundError:
-        return False
+    events = journal_events(journal)
     return events.count("stop") > events.count("go")
-
-
-def _answered(future: Any) -> bool:
-    try:
-        return bool(future.query())
-    except Exception:  # a failed store's RPC is answered as far as LMCache is concerned
-        return True
 
 
 def wait_for_stores(adapter: Any, journal: Path, *, max_wait_s: float = MAX_WAIT_S,
@@ -58,7 +50,8 @@ def wait_for_stores(adapter: Any, journal: Path, *, max_wait_s: float = MAX_WAIT
     early because the server stopped or ``max_wait_s`` passed."""
     deadline = clock() + max_wait_s
     while True:
-        pending = [f for f in dict(adapter.store_futures).values() if not _answered(f)]
+        pending = [f for f in lmcache_adapters.store_futures(adapter).values()
+                   if not lmcache_adapters.future_settled(f)]
         if not pending:
             return True
         if server_stopped(journal) or clock() >= deadline:
@@ -79,7 +72,7 @@ def install(journal: Path) -> None:
     @functools.wraps(original)
     def install_settling_first(fence: store_fence.StoreFence) -> None:
         adapter = fence._adapter  # test-only: the adapter the fence is about to wrap
-        for name in FINISHED_METHODS:
+        for name in lmcache_adapters.FINISHED_METHODS:
             method = getattr(adapter, name, None)
             if method is not None:
                 setattr(adapter, name, functools.partial(_wait_then, method, adapter, journal))

@@ -191,6 +191,20 @@ def transfer_context(adapter: Any) -> Any:
     return require(adapter, "transfer_ctx")
 
 
+#: The worker adapter's methods that report finished transfers to vLLM (both variants).
+FINISHED_METHODS = ("get_finished", "get_finished_with_lazy_offload")
+
+
+def future_settled(future: Any) -> bool:
+    """Whether an LMCache transfer future is settled: answered, or failed (a failed RPC is
+    settled too: LMCache's ``result()`` raises it and the transfer is judged failed, and the
+    server no longer touches the transfer's blocks)."""
+    try:
+        return bool(future.query())
+    except Exception:
+        return True
+
+
 def store_futures(adapter: Any) -> dict[str, Any]:
     """The worker adapter's store future of each request (the latest store LMCache sent for it;
     it pops one when it sees it settled)."""

@@ -46,24 +46,17 @@ from typing import Any
 
 from ... import http
 from ...lmcache_compat import adapters as lmcache_adapters
+from ...lmcache_compat.adapters import future_settled
 from .served_prefix import ServedPrefixKeeper
 from .server_process import ServerProcess, listener_of
 
 logger = logging.getLogger("vllm.kvpersist.load_fence")  # inherits vLLM's log handler
 Clock = Callable[[], float]
-FINISHED_METHODS = ("get_finished", "get_finished_with_lazy_offload")
 #: Reasons a worker reported a load failed (``vllm:kvpersist_failed_loads_total{reason}``).
 FAILED_LOAD_REASONS = ("server_error", "server_gone", "unhealthy_at_submit")
 #: How often transfers in flight are checked for a gone server while the heartbeat is healthy
 #: (a server restarted faster than a heartbeat notices).
 HEALTHY_CHECK_S = 1.0
-
-
-def _settled(future: Any) -> bool:
-    try:
-        return bool(future.query())
-    except Exception:  # a failed RPC is settled: LMCache's result() raises it, judged failed
-        return True
 
 
 class LoadFence:
@@ -93,7 +86,7 @@ class LoadFence:
 
     def install(self) -> None:
         """Route the adapter's ``get_finished`` calls (both variants) through the fence."""
-        for name in FINISHED_METHODS:
+        for name in lmcache_adapters.FINISHED_METHODS:
             original = getattr(type(self._adapter), name, None)
             if original is not None:
                 setattr(self._adapter, name, functools.partial(self._finished, original))
@@ -150,7 +143,7 @@ class LoadFence:
             return set()
         self._checked_at = now
         return {key for key, (_kind, _rid, future) in flight.items()
-                if not _settled(future) and self._server_gone(key)}
+                if not future_settled(future) and self._server_gone(key)}
 
     # -- the fenced call
     def _finished(self, original: Callable[..., Any], *args: Any) -> Any:
@@ -181,7 +174,7 @@ class LoadFence:
 
     def _note_held(self, flight: dict[int, tuple[str, str, Any]], orphans: set[int]) -> None:
         for key, (kind, rid, future) in flight.items():
-            if key in orphans or key in self._held or _settled(future):
+            if key in orphans or key in self._held or future_settled(future):
                 continue
             self._held.add(key)
             self.held_total += 1

@@ -53,6 +53,7 @@ from typing import Any
 
 from ... import http
 from ...lmcache_compat import adapters as lmcache_adapters
+from ...lmcache_compat.adapters import future_settled
 from .server_process import ServerProcess, listener_of
 
 logger = logging.getLogger("vllm.kvpersist.store_fence")
@@ -62,13 +63,6 @@ POLL_S = 0.2
 #: How often withheld finished requests are checked for a gone server (a live server settles
 #: them by answering; the check only frees the blocks of stores nobody will answer).
 GONE_CHECK_S = 1.0
-
-
-def _settled(future: Any) -> bool:
-    try:
-        return bool(future.query())
-    except Exception:  # a failed store's RPC is settled: the server no longer reads its blocks
-        return True
 
 
 class StoreFence:
@@ -114,7 +108,7 @@ class StoreFence:
         out = set(sending or ())
         for rid in list(out):
             future = after.get(rid, before.get(rid))
-            if future is not None and not _settled(future):
+            if future is not None and not future_settled(future):
                 out.discard(rid)
                 self._withheld[rid] = future
                 self.finishes_withheld += 1
@@ -130,7 +124,7 @@ class StoreFence:
         """The withheld requests whose store settled or whose server process is gone."""
         if not self._withheld:
             return set()
-        done = {rid for rid, future in self._withheld.items() if _settled(future)}
+        done = {rid for rid, future in self._withheld.items() if future_settled(future)}
         now = self._clock()
         if len(done) < len(self._withheld) and now - self._gone_checked_at >= GONE_CHECK_S:
             self._gone_checked_at = now
@@ -158,7 +152,7 @@ class StoreFence:
 
     def settle(self, futures: list[Any]) -> None:
         """Return once every future in ``futures`` settled or its server process is gone."""
-        pending = [f for f in futures if not _settled(f)]
+        pending = [f for f in futures if not future_settled(f)]
         if not pending:
             return
         self.flushes += 1
@@ -166,7 +160,7 @@ class StoreFence:
         fallback = self._listener(self._url)
         began = last_report = self._clock()
         while pending:
-            pending = [f for f in pending if not _settled(f)]
+            pending = [f for f in pending if not future_settled(f)]
             gone = [f for f in pending if self._gone(servers[id(f)] or fallback)]
             if gone:
                 self.given_up += len(gone)
